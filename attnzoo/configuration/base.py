@@ -1,0 +1,188 @@
+"""The configuration every attnzoo family extends.
+
+`ZooConfig` holds what the shared backbone needs (sizes, the per-layer attention pattern, residual kind, chunking,
+position embeddings, image options). A family config subclasses it, sets its own `model_type`, changes defaults and
+adds the fields its attention reads. Every value is checked in `__post_init__`, and a bad one raises `ValueError`
+naming the field and what to change.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PreTrainedConfig
+
+POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
+POOLING_TYPES = ("mean", "cls", "last")
+HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "tanh")
+
+
+def _fail(field: str, value, fix: str):
+    raise ValueError(f"{field}={value!r} is invalid: {fix}")
+
+
+def _near_square_factors(n: int) -> tuple[int, int]:
+    """The factor pair (a, b) of the smallest power of two >= n with a*b >= n and a, b as close as possible."""
+    total = 1 << max(0, (n - 1).bit_length())
+    a = 1 << (int(math.log2(total)) // 2)
+    return a, total // a
+
+
+class ZooConfig(PreTrainedConfig):
+    r"""
+    Shared configuration of every attnzoo model. Standard transformers names are used where one exists.
+
+    Args:
+        vocab_size: token vocabulary (256 for byte-level models).
+        hidden_size / num_hidden_layers / num_attention_heads / intermediate_size: Transformer sizes;
+            `hidden_size` must be divisible by `num_attention_heads`.
+        hidden_act: feed-forward activation, one of `HIDDEN_ACTIVATIONS`.
+        max_position_embeddings: longest sequence the position embeddings cover.
+        hidden_dropout_prob / attention_probs_dropout_prob: dropout after each sub-layer / on attention weights.
+        drop_path_rate: stochastic depth, linearly increased over the layers (DeiT).
+        classifier_dropout: dropout before a classification head (defaults to `hidden_dropout_prob`).
+        attn_layers: attention kind per layer, names from `attnzoo.ATTENTION_REGISTRY`; a shorter list repeats to
+            `num_hidden_layers` (e.g. `["local", "lsh"]`).
+        is_decoder: causal self-attention (a decoder-only LM). Encoder-decoder models set `is_encoder_decoder`.
+        num_decoder_layers / decoder_attn_layers: the decoder of an encoder-decoder model (default: same depth,
+            exact softmax self-attention; seed 002 §5.4 uses efficient attention only in the encoder).
+        reversible: reversible residual stack (seed 001 §3): activations are recomputed in the backward pass.
+        chunk_size_feed_forward: process the feed-forward in sequence chunks of this size (0 = one chunk).
+        loss_chunk_size: compute the LM head and loss in sequence chunks of this size, recomputing the logits in the
+            backward pass, so [batch, length, vocab] logits are never held (0 = off).
+        position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table) or "none".
+        axial_pos_shape / axial_pos_embds_dim: the axial factorisation; the shape's product must cover
+            `max_position_embeddings` and the dims must sum to `hidden_size` (derived when left `None`).
+        image_size / patch_size / num_channels: image models (DeiT-style patch embedding).
+        pooling: how a classification head summarises a sequence: "mean" (over non-padded tokens), "cls" (a
+            learned class token for images, the first token for text) or "last" (the last non-padded token).
+    """
+
+    model_type = "attnzoo"
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 2048
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.0
+    drop_path_rate: float = 0.0
+    classifier_dropout: float | None = None
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    attention_bias: bool = True
+
+    attn_layers: list[str] | tuple[str, ...] = ("full",)
+    is_decoder: bool = False
+    num_decoder_layers: int | None = None
+    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)
+
+    reversible: bool = False
+    loss_chunk_size: int = 0
+
+    position_embedding_type: str = "learned"
+    axial_pos_shape: list[int] | tuple[int, ...] | None = None
+    axial_pos_embds_dim: list[int] | tuple[int, ...] | None = None
+
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    pooling: str = "mean"
+
+    tie_word_embeddings: bool = True
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    decoder_start_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        self.attn_layers = list(self.attn_layers)
+        self.decoder_attn_layers = list(self.decoder_attn_layers)
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_hidden_layers
+        if self.position_embedding_type == "axial":
+            if self.axial_pos_shape is None:
+                self.axial_pos_shape = _near_square_factors(self.max_position_embeddings)
+            if self.axial_pos_embds_dim is None:
+                half = self.hidden_size // 2
+                self.axial_pos_embds_dim = (half, self.hidden_size - half)
+        if self.axial_pos_shape is not None:
+            self.axial_pos_shape = list(self.axial_pos_shape)
+        if self.axial_pos_embds_dim is not None:
+            self.axial_pos_embds_dim = list(self.axial_pos_embds_dim)
+        super().__post_init__(**kwargs)
+        self.check_values()
+
+    # -- validation -------------------------------------------------------------------------------------------
+    def check_values(self) -> None:
+        """Raise `ValueError` naming the first invalid field and what to change. Families extend this."""
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "num_decoder_layers", "image_size", "patch_size", "num_channels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(name, value, "set a positive integer.")
+        if self.hidden_size % self.num_attention_heads:
+            _fail("num_attention_heads", self.num_attention_heads,
+                  f"it must divide hidden_size={self.hidden_size}; pick a divisor or change hidden_size.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                _fail(name, value, "set a probability in [0, 1).")
+        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
+            _fail("classifier_dropout", self.classifier_dropout, "set a probability in [0, 1) or None.")
+        if self.hidden_act not in HIDDEN_ACTIVATIONS:
+            _fail("hidden_act", self.hidden_act, f"use one of {HIDDEN_ACTIVATIONS}.")
+        for name in ("chunk_size_feed_forward", "loss_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                _fail(name, value, "set 0 (no chunking) or a positive chunk length.")
+        self._check_attention_names("attn_layers", self.attn_layers)
+        if self.is_encoder_decoder:
+            self._check_attention_names("decoder_attn_layers", self.decoder_attn_layers)
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            _fail("position_embedding_type", self.position_embedding_type, f"use one of {POSITION_EMBEDDING_TYPES}.")
+        if self.position_embedding_type == "axial":
+            self._check_axial()
+        if self.pooling not in POOLING_TYPES:
+            _fail("pooling", self.pooling, f"use one of {POOLING_TYPES}.")
+        if self.image_size % self.patch_size:
+            _fail("patch_size", self.patch_size, f"it must divide image_size={self.image_size}.")
+
+    def _check_attention_names(self, field: str, names: list[str]) -> None:
+        from attnzoo.modeling.attention import ATTENTION_REGISTRY  # late import: the registry imports torch modules
+
+        if not names:
+            _fail(field, names, "list at least one attention kind, e.g. ['full'].")
+        for name in names:
+            if name not in ATTENTION_REGISTRY:
+                _fail(field, names, f"unknown attention {name!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.")
+            missing = [f for f in ATTENTION_REGISTRY[name].required_config_fields if not hasattr(self, f)]
+            if missing:
+                _fail(field, names, f"attention {name!r} needs config fields {missing}; use the config class of "
+                                    f"its family (e.g. attnzoo.{ATTENTION_REGISTRY[name].family_config}).")
+            ATTENTION_REGISTRY[name].check_config(self)
+
+    def _check_axial(self) -> None:
+        shape, dims = self.axial_pos_shape, self.axial_pos_embds_dim
+        if len(shape) != len(dims):
+            _fail("axial_pos_embds_dim", dims, f"give one dimension per axis of axial_pos_shape={shape}.")
+        if sum(dims) != self.hidden_size:
+            _fail("axial_pos_embds_dim", dims, f"the dimensions must sum to hidden_size={self.hidden_size}.")
+        if math.prod(shape) < self.max_position_embeddings:
+            _fail("axial_pos_shape", shape, f"its product {math.prod(shape)} must be >= max_position_embeddings="
+                                            f"{self.max_position_embeddings}.")
+
+    # -- derived values ---------------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def layer_attention_kinds(self, decoder: bool = False) -> list[str]:
+        """The attention kind of every layer: `attn_layers` (or `decoder_attn_layers`) repeated to the depth."""
+        names = self.decoder_attn_layers if decoder else self.attn_layers
+        depth = self.num_decoder_layers if decoder else self.num_hidden_layers
+        return [names[i % len(names)] for i in range(depth)]

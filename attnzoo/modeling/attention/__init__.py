@@ -1,0 +1,13 @@
+"""Attention modules by name. Importing a module file registers it (see `base.py` for the contract)."""
+
+from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
+from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
+
+__all__ = [
+    "ATTENTION_REGISTRY",
+    "SoftmaxAttention",
+    "SoftmaxCrossAttention",
+    "ZooAttention",
+    "register_attention",
+    "softmax_attention_reference",
+]

@@ -1,0 +1,181 @@
+"""The one Transformer every family shares: pre-LayerNorm blocks in a standard or reversible residual stack.
+
+A block has an attention branch F (self-attention, then cross-attention for encoder-decoder decoders) and a
+feed-forward branch G. The standard stack computes x + F(x), then + G(.); the reversible stack keeps two streams,
+y1 = x1 + F(x2), y2 = x2 + G(y1) (seed 001 §3), starts both at the embeddings and ends with their mean, so the
+heads see `hidden_size` features either way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from attnzoo.modeling.attention import ATTENTION_REGISTRY, SoftmaxCrossAttention
+from attnzoo.modeling.embeddings import PositionEmbedding
+from attnzoo.modeling.reversible import ReversibleStackFunction
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth: drop the whole branch for a random subset of examples (scaled to keep the mean)."""
+    if rate == 0.0 or not training:
+        return x
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1.0 - rate)
+    return x * keep / (1.0 - rate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x):
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class ZooBlock(GradientCheckpointingLayer):
+    """One pre-LayerNorm Transformer layer; its attention kind comes from the registry."""
+
+    def __init__(self, config, layer_idx: int, attention_kind: str, causal: bool, cross_attention: bool,
+                 drop_path_rate: float):
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn = ATTENTION_REGISTRY[attention_kind](config, layer_idx, causal)
+        self.cross_norm = nn.LayerNorm(config.hidden_size, eps=eps) if cross_attention else None
+        self.cross_attn = SoftmaxCrossAttention(config, layer_idx) if cross_attention else None
+        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.ffn = FeedForward(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.drop_path_rate = drop_path_rate
+        self.ffn_chunk_size = config.chunk_size_feed_forward
+
+    def _residual(self, x):
+        return drop_path(self.dropout(x), self.drop_path_rate, self.training)
+
+    def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, past_key_values=None,
+                         encoder_attention_mask=None, grid_size=None, replay=None):
+        """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention."""
+        self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, past_key_values=self_cache,
+                                       replay=replay, grid_size=grid_size))
+        if self.cross_attn is not None:
+            cross_cache = past_key_values if hasattr(past_key_values, "cross_attention_cache") else None
+            cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
+                                    cross_cache)
+            out = out + self._residual(cross)
+        return out
+
+    def feed_forward_branch(self, x):
+        """G(x): the feed-forward, over sequence chunks of `chunk_size_feed_forward` when set (seed 001 §3)."""
+        if not self.ffn_chunk_size or x.shape[1] <= self.ffn_chunk_size:
+            return self._residual(self._feed_forward(x))
+        # Sequential chunks bound the [chunk, intermediate_size] activation (a memory-for-time trade by design).
+        # transformers' apply_chunking_to_forward is not used: it refuses lengths that are not a chunk multiple.
+        chunks = [self._feed_forward(part) for part in x.split(self.ffn_chunk_size, dim=1)]
+        return self._residual(torch.cat(chunks, dim=1))
+
+    def _feed_forward(self, x):
+        return self.ffn(self.ffn_norm(x))
+
+    def attention_parameters(self):
+        modules = [self.attn_norm, self.attn] + ([self.cross_norm, self.cross_attn] if self.cross_attn else [])
+        return [p for m in modules for p in m.parameters()]
+
+    def feed_forward_parameters(self):
+        return [*self.ffn_norm.parameters(), *self.ffn.parameters()]
+
+    def forward(self, hidden_states, encoder_hidden_states=None, **block_kwargs):
+        hidden_states = hidden_states + self.attention_branch(hidden_states, encoder_hidden_states, **block_kwargs)
+        return hidden_states + self.feed_forward_branch(hidden_states)
+
+
+class ZooTransformer(nn.Module):
+    """Position embeddings, the block stack and the final LayerNorm, over given token embeddings.
+
+    `decoder_side` selects `decoder_attn_layers`/`num_decoder_layers` (the decoder of an encoder-decoder model);
+    `cross_attention` adds cross-attention to every block; `with_positions=False` leaves positions to the caller
+    (image patches carry their own).
+    """
+
+    def __init__(self, config, causal: bool, decoder_side: bool = False, cross_attention: bool = False,
+                 with_positions: bool = True):
+        super().__init__()
+        self.causal = causal
+        self.reversible = config.reversible
+        #: the reversible stack's recomputing backward; tests switch it off to compare with plain autograd.
+        self.use_reversible_backward = True
+        self.positions = PositionEmbedding(config) if with_positions else None
+        self.embed_dropout = nn.Dropout(config.hidden_dropout_prob)
+        kinds = config.layer_attention_kinds(decoder=decoder_side)
+        rates = torch.linspace(0, config.drop_path_rate, len(kinds)).tolist() if len(kinds) > 1 else [0.0]
+        self.blocks = nn.ModuleList(
+            ZooBlock(config, i, kind, causal, cross_attention, rates[i]) for i, kind in enumerate(kinds)
+        )
+        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def new_cache_layers(self):
+        return [block.attn.new_cache_layer() for block in self.blocks]
+
+    def forward(self, inputs_embeds, attention_mask=None, position_ids=None, past_key_values=None,
+                encoder_hidden_states=None, encoder_attention_mask=None, grid_size=None,
+                output_hidden_states=False):
+        batch, length = inputs_embeds.shape[:2]
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if attention_mask is not None and attention_mask.shape[-1] != past_length + length:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[-1]} tokens but there are {past_length} cached and "
+                f"{length} new ones; pass a mask of shape ({batch}, {past_length + length})."
+            )
+        hidden = inputs_embeds
+        if self.positions is not None:
+            self.positions.check_length(past_length + length)
+            if position_ids is None:
+                position_ids = self._position_ids(attention_mask, past_length, length, inputs_embeds.device)
+            pos = self.positions(position_ids)
+            if pos is not None:
+                hidden = hidden + pos.to(hidden.dtype)
+        hidden = self.embed_dropout(hidden)
+
+        block_kwargs = dict(attention_mask=attention_mask, past_key_values=past_key_values,
+                            encoder_attention_mask=encoder_attention_mask, grid_size=grid_size)
+        all_hidden = [hidden] if output_hidden_states else None
+        if self.reversible:
+            hidden = self._reversible(hidden, encoder_hidden_states, block_kwargs, all_hidden)
+        else:
+            for block in self.blocks:
+                hidden = block(hidden, encoder_hidden_states, **block_kwargs)
+                if all_hidden is not None:
+                    all_hidden.append(hidden)
+        hidden = self.final_norm(hidden)
+        return hidden, (tuple(all_hidden) if all_hidden is not None else None)
+
+    @staticmethod
+    def _position_ids(attention_mask, past_length, length, device):
+        if attention_mask is None:
+            return torch.arange(past_length, past_length + length, device=device)[None]
+        # Count only real tokens, so a left-padded sequence gets the positions it would have alone.
+        positions = attention_mask.long().cumsum(-1) - 1
+        return positions.clamp(min=0)[:, -length:]
+
+    def _reversible(self, hidden, encoder_hidden_states, block_kwargs, all_hidden):
+        needs_grad = torch.is_grad_enabled() and (
+            hidden.requires_grad or any(p.requires_grad for p in self.blocks.parameters())
+        )
+        # The recomputing backward would write a cache twice; with a cache (decoding) plain autograd is used.
+        cached = block_kwargs["past_key_values"] is not None
+        if needs_grad and self.use_reversible_backward and all_hidden is None and not cached:
+            params = [p for p in self.blocks.parameters() if p.requires_grad]
+            return ReversibleStackFunction.apply(self.blocks, block_kwargs, hidden, encoder_hidden_states, *params)
+        # Plain autograd through the same two-stream computation (inference, hidden-state outputs, tests).
+        x1 = x2 = hidden
+        for block in self.blocks:
+            x1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
+            x2 = x2 + block.feed_forward_branch(x1)
+            if all_hidden is not None:
+                all_hidden.append((x1 + x2) / 2)
+        return (x1 + x2) / 2

@@ -1,0 +1,397 @@
+"""The model classes every family shares. A family subclasses each with its own config class (see
+`modeling_softmax.py`); nothing here depends on the attention kind."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    ImageClassifierOutput,
+    MaskedLMOutput,
+    Seq2SeqLMOutput,
+    SequenceClassifierOutput,
+)
+
+from attnzoo.configuration.base import ZooConfig
+from attnzoo.modeling.backbone import ZooTransformer
+from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
+from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
+from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy
+
+
+def _output(output, return_dict):
+    return output if return_dict is not False else output.to_tuple()
+
+
+class ZooPreTrainedModel(PreTrainedModel):
+    config_class = ZooConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ZooBlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, AxialPositionEmbedding):
+            for weight in module.weights:
+                init.normal_(weight, mean=0.0, std=std)
+        elif isinstance(module, PatchEmbedding):
+            if module.cls_token is not None:
+                init.trunc_normal_(module.cls_token, std=std)
+            if getattr(module, "position_embeddings", None) is not None:
+                init.trunc_normal_(module.position_embeddings, std=std)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # Each layer's attention decides its cache slot, so the model builds its own `ZooCache` in `forward`
+        # instead of letting generate() build a plain DynamicCache.
+        return False
+
+
+def _as_decoder(config):
+    if config.is_decoder:
+        return config
+    config = copy.deepcopy(config)
+    config.is_decoder = True
+    return config
+
+
+class ZooModel(ZooPreTrainedModel):
+    """Token embeddings and the Transformer: a bidirectional encoder, or a causal decoder when `is_decoder`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.transformer = ZooTransformer(config, causal=config.is_decoder)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                past_key_values=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected (batch, length).")
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache is None:  # caches serve decoding; a training forward never needs one
+            use_cache = self.config.use_cache and self.config.is_decoder and not self.training
+        if use_cache and not self.config.is_decoder:
+            raise ValueError("use_cache=True needs a decoder; build the model with is_decoder=True.")
+        if use_cache and past_key_values is None:
+            past_key_values = ZooCache.for_transformer(self.transformer)
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
+            self.config.output_hidden_states
+        hidden, all_hidden = self.transformer(
+            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values if use_cache else None, output_hidden_states=output_hidden_states,
+        )
+        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
+                                      hidden_states=all_hidden)
+        return _output(out, return_dict)
+
+
+class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
+    """Decoder-only language model; `generate()` decodes incrementally through the layers' caches."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        config = _as_decoder(config)
+        super().__init__(config)
+        self.model = ZooModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                past_key_values=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
+                logits_to_keep: int = 0, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        loss = logits = None
+        if labels is not None:
+            loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size)
+        if labels is None or not self.config.loss_chunk_size:  # chunked loss exists to never hold all logits
+            logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                        hidden_states=out.hidden_states)
+        return _output(result, return_dict)
+
+
+class ZooForMaskedLM(ZooPreTrainedModel):
+    """Bidirectional encoder with a masked-token prediction head (tied to the input embeddings)."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.is_decoder:
+            raise ValueError("ZooForMaskedLM needs a bidirectional encoder; set is_decoder=False.")
+        self.model = ZooModel(config)
+        self.lm_head = MaskedLMHead(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value):
+        self.lm_head.decoder = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        loss = logits = None
+        if labels is not None:
+            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
+        if labels is None or not self.config.loss_chunk_size:
+            logits = self.lm_head(hidden)
+        return _output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict)
+
+
+class MaskedLMHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, hidden):
+        return self.decoder(self.norm(self.act(self.dense(hidden))))
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, how: str) -> torch.Tensor:
+    """Summarise [batch, length, hidden] into [batch, hidden]: masked mean, first token, or last real token."""
+    if how == "cls":
+        return hidden[:, 0]
+    if attention_mask is None:
+        return hidden.mean(dim=1) if how == "mean" else hidden[:, -1]
+    mask = attention_mask.to(hidden.dtype)
+    if how == "mean":
+        return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = (positions * attention_mask.long()).argmax(dim=1)  # the last real token, for left or right padding
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def classification_loss(config, logits, labels):
+    """Regression (MSE), single-label (cross-entropy) or multi-label (BCE), as transformers' heads choose."""
+    if config.problem_type is None:
+        if config.num_labels == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+    if config.problem_type == "single_label_classification":
+        return F.cross_entropy(logits.float(), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class ClassifierHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rate = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(rate)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, pooled):
+        return self.classifier(self.dropout(pooled))
+
+
+class ZooForSequenceClassification(ZooPreTrainedModel):
+    """Sequence classification or regression from the pooled sequence (`config.pooling`)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ZooModel(config)
+        self.head = ClassifierHead(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states)
+        logits = self.head(pool(out.last_hidden_state, attention_mask, self.config.pooling))
+        loss = classification_loss(self.config, logits, labels) if labels is not None else None
+        return _output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
+                       return_dict)
+
+
+class ZooVisionModel(ZooPreTrainedModel):
+    """DeiT-style image encoder: patch embedding with 2-D positions (and a class token when pooling="cls")."""
+
+    main_input_name = "pixel_values"
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.pooling == "last":
+            raise ValueError("pooling='last' has no meaning for images; use 'mean' or 'cls'.")
+        if config.is_decoder:
+            raise ValueError("image models are encoders; set is_decoder=False.")
+        self.patch_embed = PatchEmbedding(config)
+        self.transformer = ZooTransformer(config, causal=False, with_positions=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.patch_embed.projection
+
+    def forward(self, pixel_values=None, output_hidden_states=None, return_dict=None, **kwargs):
+        tokens = self.patch_embed(pixel_values)
+        grid = (self.patch_embed.grid, self.patch_embed.grid)
+        hidden, all_hidden = self.transformer(tokens, grid_size=grid, output_hidden_states=output_hidden_states)
+        return _output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict)
+
+
+class ZooForImageClassification(ZooPreTrainedModel):
+    main_input_name = "pixel_values"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = ZooVisionModel(config)
+        self.head = ClassifierHead(config)
+        self.post_init()
+
+    def forward(self, pixel_values=None, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
+        out = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states)
+        logits = self.head(pool(out.last_hidden_state, None, self.config.pooling))
+        loss = None
+        if labels is not None:  # soft targets (Mixup/CutMix) are [batch, num_labels] floats
+            if labels.dim() == 2 and labels.is_floating_point() and labels.shape[-1] == logits.shape[-1] > 1:
+                loss = torch.sum(-labels * logits.float().log_softmax(-1), dim=-1).mean()
+            else:
+                loss = classification_loss(self.config, logits, labels)
+        return _output(ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
+                       return_dict)
+
+
+class ZooSeq2SeqEncoder(nn.Module):
+    """The encoder half of an encoder-decoder model; owns the vocabulary embedding the decoder shares."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.transformer = ZooTransformer(config, causal=False)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
+                return_dict=None, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden, all_hidden = self.transformer(inputs_embeds, attention_mask=attention_mask,
+                                              output_hidden_states=bool(output_hidden_states))
+        return BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden)
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, start_token_id: int) -> torch.Tensor:
+    shifted = labels.new_empty(labels.shape)
+    shifted[:, 1:] = labels[:, :-1]
+    shifted[:, 0] = start_token_id
+    return shifted.masked_fill(shifted == IGNORE_INDEX, pad_token_id)
+
+
+class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
+    """Encoder-decoder (translation). The encoder uses `attn_layers`, the decoder `decoder_attn_layers` for its
+    causal self-attention and exact cross-attention to the encoder output."""
+
+    _tied_weights_keys = {"lm_head.weight": "encoder.embed_tokens.weight"}
+
+    def __init__(self, config):
+        if not config.is_encoder_decoder:
+            config = copy.deepcopy(config)
+            config.is_encoder_decoder = True
+        if config.decoder_start_token_id is None or config.pad_token_id is None:
+            raise ValueError("encoder-decoder models need decoder_start_token_id and pad_token_id in the config.")
+        super().__init__(config)
+        self.encoder = ZooSeq2SeqEncoder(config)
+        self.decoder = ZooTransformer(config, causal=True, decoder_side=True, cross_attention=True)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_encoder(self, modality=None):
+        return self.encoder
+
+    def get_input_embeddings(self):
+        return self.encoder.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.encoder.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_hidden_states=None,
+                return_dict=None, **kwargs):
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           output_hidden_states=output_hidden_states)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(*encoder_outputs)
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("pass decoder_input_ids or labels.")
+            decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id,
+                                                   self.config.decoder_start_token_id)
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and past_key_values is None:
+            past_key_values = new_encoder_decoder_cache(self.decoder)
+        hidden, decoder_hidden = self.decoder(
+            self.encoder.embed_tokens(decoder_input_ids), attention_mask=decoder_attention_mask,
+            past_key_values=past_key_values if use_cache else None,
+            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
+            output_hidden_states=bool(output_hidden_states),
+        )
+        loss = logits = None
+        if labels is not None:
+            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
+        if labels is None or not self.config.loss_chunk_size:
+            logits = self.lm_head(hidden)
+        out = Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
+                              decoder_hidden_states=decoder_hidden,
+                              encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                              encoder_hidden_states=encoder_outputs.hidden_states)
+        return _output(out, return_dict)

@@ -1,0 +1,112 @@
+"""The reversible residual stack's memory-saving backward (seed 001 §3, after RevNets).
+
+Forward, per block:  y1 = x1 + F(x2),  y2 = x2 + G(y1)   (F = attention branch, G = feed-forward branch).
+Backward, per block in reverse: recompute G(y1) to get x2 = y2 - G(y1), recompute F(x2) to get x1 = y1 - F(x2),
+and backpropagate through both recomputations. Only the last block's outputs are stored, so activation memory does
+not grow with depth.
+
+The recomputation must repeat the forward exactly: the RNG state (dropout, drop-path, random attention draws) is
+captured before each branch and restored before it is recomputed; autocast is re-entered as it was; attention
+modules get back the `replay` dict they filled in the forward (e.g. LSH buckets, so nothing is rehashed).
+
+Parameter gradients are returned from `backward` like any autograd function's (the parameters are inputs of the
+function) instead of being written by a nested `.backward()`, so DistributedDataParallel sees each gradient exactly
+once; transformers' Reformer fails under DDP for that reason.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def _capture_rng(device: torch.device):
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda_state
+
+
+@contextmanager
+def _restored_rng(state, device: torch.device):
+    cpu_state, cuda_state = state
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        yield
+
+
+class ReversibleStackFunction(torch.autograd.Function):
+    """apply(blocks, block_kwargs, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x.
+
+    `context` is the encoder output for decoders with cross-attention (or None); its gradient is accumulated over
+    every block. `params` are all trainable parameters of `blocks`, in `blocks.parameters()` order.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks, block_kwargs, x, context, *params):
+        device_type = x.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), device_type)
+        ctx.blocks, ctx.block_kwargs, ctx.device = blocks, block_kwargs, x.device
+        ctx.records = []
+        x1 = x2 = x
+        for block in blocks:
+            replay, rng_f = {}, _capture_rng(x.device)
+            y1 = x1 + block.attention_branch(x2, context, replay=replay, **block_kwargs)
+            rng_g = _capture_rng(x.device)
+            y2 = x2 + block.feed_forward_branch(y1)
+            ctx.records.append((rng_f, rng_g, replay))
+            x1, x2 = y1, y2
+        ctx.save_for_backward(x1, x2, context)
+        ctx.param_index = {id(p): i for i, p in enumerate(params)}
+        return (x1 + x2) / 2
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y1, y2, context = ctx.saved_tensors
+        enabled, dtype, device_type = ctx.autocast
+        grads = [None] * len(ctx.param_index)
+        dy1 = dy2 = grad_out / 2
+        context_grad = None
+        context_in = None if context is None else context.detach().requires_grad_(context.requires_grad)
+
+        def accumulate(params, param_grads):
+            for p, g in zip(params, param_grads):
+                if g is not None:
+                    i = ctx.param_index[id(p)]
+                    grads[i] = g if grads[i] is None else grads[i] + g
+
+        for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records)):
+            g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
+            with torch.enable_grad(), _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
+                y1_in = y1.detach().requires_grad_()
+                g_out = block.feed_forward_branch(y1_in)
+            g_grads = torch.autograd.grad(g_out, [y1_in, *g_params], dy2, allow_unused=True)
+            dy1 = dy1 + g_grads[0]
+            accumulate(g_params, g_grads[1:])
+            with torch.no_grad():
+                x2 = y2 - g_out
+            del g_out, y1_in
+
+            f_params = [p for p in block.attention_parameters() if p.requires_grad]
+            with torch.enable_grad(), _restored_rng(rng_f, ctx.device), torch.autocast(device_type, dtype, enabled):
+                x2_in = x2.detach().requires_grad_()
+                f_out = block.attention_branch(x2_in, context_in, replay=replay, **ctx.block_kwargs)
+            wrt = [x2_in] + ([context_in] if context_in is not None and context_in.requires_grad else []) + f_params
+            f_grads = torch.autograd.grad(f_out, wrt, dy1, allow_unused=True)
+            dx2 = dy2 + f_grads[0]
+            offset = 1
+            if len(wrt) > 1 + len(f_params):
+                c = f_grads[1]
+                if c is not None:
+                    context_grad = c if context_grad is None else context_grad + c
+                offset = 2
+            accumulate(f_params, f_grads[offset:])
+            with torch.no_grad():
+                x1 = y1 - f_out
+            del f_out, x2_in
+            y1, y2, dy1, dy2 = x1, x2, dy1, dx2
+
+        ctx.records = None
+        return (None, None, dy1 + dy2, context_grad, *grads)

@@ -1,0 +1,1 @@
+"""What the training scripts share: recipes and arguments, data, the training loop's checkpointing, metrics."""

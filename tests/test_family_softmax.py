@@ -1,0 +1,7 @@
+from attnzoo import ZooSoftmaxConfig
+from tests.family_suite import FamilySuite
+
+
+class TestSoftmaxFamily(FamilySuite):
+    config_class = ZooSoftmaxConfig
+    prefix = "ZooSoftmax"

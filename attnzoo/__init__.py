@@ -2,8 +2,7 @@
 models. Importing the package registers every family with transformers' Auto classes."""
 
 from attnzoo.configuration import ZooConfig, ZooSoftmaxConfig
-from attnzoo.modeling import ATTENTION_REGISTRY, ZooAttention, ZooCache, register_attention
-from attnzoo.modeling import modeling_softmax
+from attnzoo.modeling import ATTENTION_REGISTRY, ZooAttention, ZooCache, modeling_softmax, register_attention
 from attnzoo.modeling.modeling_softmax import (
     ZooSoftmaxForCausalLM,
     ZooSoftmaxForConditionalGeneration,

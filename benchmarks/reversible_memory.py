@@ -126,7 +126,7 @@ def plot(results: dict, path: Path) -> None:
     panels = [(run, measure) for run, measure in (("cpu", "saved_MiB"), ("cuda", "cuda_peak_MiB"))
               if run in results]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (run, measure) in zip(axes[0], panels):
+    for ax, (run, measure) in zip(axes[0], panels, strict=True):
         setup = results[run]["setup"]
         for stack, style in (("standard", "o-"), ("reversible", "s-")):
             rows = [r for r in results[run]["rows"] if r["stack"] == stack]

@@ -107,7 +107,7 @@ class FamilySuite:
         assert type(config) is self.config_class
         loaded = AUTO[head].from_pretrained(tmp_path)
         assert type(loaded) is type(model)
-        for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
 
     def test_bad_config_raises_value_error(self):
@@ -265,7 +265,7 @@ class FamilySuite:
             loss.backward()
             results.append((loss.detach(), [p.grad for p in model.parameters()]))
         torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
-        for a, b in zip(results[0][1], results[1][1]):
+        for a, b in zip(results[0][1], results[1][1], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
     @pytest.mark.parametrize("position_embedding_type", ["learned", "sinusoidal", "axial", "none"])

@@ -27,7 +27,7 @@ class AxialPositionEmbedding(nn.Module):
         self.shape = list(shape)
         # Direct parameters (weight_0, weight_1, ...), not a ParameterList: transformers' init skips a custom
         # module that has no parameters of its own.
-        for axis, (size, dim) in enumerate(zip(shape, dims)):
+        for axis, (size, dim) in enumerate(zip(shape, dims, strict=True)):
             self.register_parameter(f"weight_{axis}", nn.Parameter(torch.empty(size, dim)))
         # Plain ints, not buffers: from_pretrained builds models on the meta device, where buffers would be lost.
         self.strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
@@ -38,7 +38,7 @@ class AxialPositionEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         parts = [weight[(position_ids // stride) % size]
-                 for weight, stride, size in zip(self.weights, self.strides, self.shape)]
+                 for weight, stride, size in zip(self.weights, self.strides, self.shape, strict=True)]
         return torch.cat(parts, dim=-1)
 
 

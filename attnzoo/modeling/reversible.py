@@ -72,12 +72,12 @@ class ReversibleStackFunction(torch.autograd.Function):
         context_in = None if context is None else context.detach().requires_grad_(context.requires_grad)
 
         def accumulate(params, param_grads):
-            for p, g in zip(params, param_grads):
+            for p, g in zip(params, param_grads, strict=True):
                 if g is not None:
                     i = ctx.param_index[id(p)]
                     grads[i] = g if grads[i] is None else grads[i] + g
 
-        for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records)):
+        for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
             g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
             with torch.enable_grad(), _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
                 y1_in = y1.detach().requires_grad_()
@@ -106,7 +106,7 @@ class ReversibleStackFunction(torch.autograd.Function):
             with torch.no_grad():
                 x1 = y1 - f_out
             del f_out, x2_in
-            y1, y2, dy1, dy2 = x1, x2, dy1, dx2
+            y1, y2, dy2 = x1, x2, dx2  # dy1 is already dx1
 
         ctx.records = None
         return (None, None, dy1 + dy2, context_grad, *grads)

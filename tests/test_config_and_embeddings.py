@@ -1,0 +1,86 @@
+"""Configuration validation and derived values; position embeddings; the byte tokenizer; recipes."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from attnzoo import ZooConfig, ZooSoftmaxConfig
+from attnzoo.modeling.embeddings import AxialPositionEmbedding
+from attnzoo.tokenization import byte_level_tokenizer
+from attnzoo.training.recipes import parse_model_overrides, parse_with_recipe
+
+
+def test_attn_layers_repeat_to_depth():
+    config = ZooSoftmaxConfig(num_hidden_layers=5, attn_layers=["full"])
+    assert config.layer_attention_kinds() == ["full"] * 5
+    assert config.num_decoder_layers == 5
+
+
+def test_error_names_field_and_fix():
+    with pytest.raises(ValueError, match=r"num_attention_heads=3 .*divide hidden_size=256"):
+        ZooSoftmaxConfig(num_attention_heads=3)
+    with pytest.raises(ValueError, match=r"attn_layers.*unknown attention 'lsh-typo'"):
+        ZooSoftmaxConfig(attn_layers=["lsh-typo"])
+    with pytest.raises(ValueError, match="axial_pos_shape"):
+        ZooSoftmaxConfig(position_embedding_type="axial", max_position_embeddings=100, axial_pos_shape=[8, 8],
+                         axial_pos_embds_dim=[128, 128])
+
+
+def test_axial_shape_and_dims_are_derived_and_round_trip(tmp_path):
+    config = ZooSoftmaxConfig(position_embedding_type="axial", max_position_embeddings=1000, hidden_size=64,
+                              num_attention_heads=4)
+    assert config.axial_pos_shape[0] * config.axial_pos_shape[1] >= 1000
+    assert sum(config.axial_pos_embds_dim) == 64
+    config.save_pretrained(tmp_path)
+    again = ZooSoftmaxConfig.from_pretrained(tmp_path)
+    assert again.axial_pos_shape == config.axial_pos_shape and again.attn_layers == ["full"]
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "attnzoo_softmax"
+
+
+def test_family_config_is_a_zoo_config():
+    assert issubclass(ZooSoftmaxConfig, ZooConfig)
+
+
+def test_axial_embedding_matches_reformer_broadcast_layout():
+    torch.manual_seed(0)
+    emb = AxialPositionEmbedding([4, 6], [3, 5])
+    for w in emb.weights:
+        torch.nn.init.normal_(w)
+    # Reformer builds the table by broadcasting [4, 1, 3] and [1, 6, 5] to [4, 6, 8] and flattening row-major.
+    table = torch.cat([emb.weights[0][:, None].expand(4, 6, 3), emb.weights[1][None].expand(4, 6, 5)], dim=-1)
+    positions = torch.arange(24)
+    torch.testing.assert_close(emb(positions), table.reshape(24, 8))
+    torch.testing.assert_close(emb(positions[5:17]), table.reshape(24, 8)[5:17])  # any length, any offset
+
+
+def test_byte_tokenizer_ids_are_bytes_and_round_trip(tmp_path):
+    from transformers import AutoTokenizer
+
+    text = "naïve café ☃\n\tend"
+    tokenizer = byte_level_tokenizer()
+    ids = tokenizer(text)["input_ids"]
+    assert ids == list(text.encode())
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).decode(ids) == text
+
+
+def test_recipe_values_are_defaults_and_cli_overrides(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 0.5\nsteps: 7\n")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--learning_rate", type=float, default=1.0)
+    parser.add_argument("--steps", type=int, default=1)
+    args = parse_with_recipe(parser, ["--recipe", str(recipe), "--steps", "9"])
+    assert args.learning_rate == 0.5 and args.steps == 9
+    recipe.write_text("learning_rat: 0.5\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_with_recipe(argparse.ArgumentParser(), ["--recipe", str(recipe)])
+
+
+def test_model_overrides_parse_yaml_values():
+    assert parse_model_overrides(["hidden_size=128", "attn_layers=[local, lsh]", "reversible=true"]) == {
+        "hidden_size": 128, "attn_layers": ["local", "lsh"], "reversible": True}
+    with pytest.raises(ValueError, match="name=value"):
+        parse_model_overrides(["hidden_size"])

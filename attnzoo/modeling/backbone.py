@@ -140,6 +140,8 @@ class ZooTransformer(nn.Module):
             if pos is not None:
                 hidden = hidden + pos.to(hidden.dtype)
         hidden = self.embed_dropout(hidden)
+        for block in self.blocks:
+            block.attn.prepare()
 
         block_kwargs = dict(attention_mask=attention_mask, past_key_values=past_key_values,
                             encoder_attention_mask=encoder_attention_mask, grid_size=grid_size)

@@ -7,7 +7,8 @@ state, buckets, ...). Because every slot is a real cache layer, `generate()`, be
 
 from __future__ import annotations
 
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
 
 class ZooCache(Cache):
@@ -24,3 +25,60 @@ class ZooCache(Cache):
 def new_encoder_decoder_cache(decoder) -> EncoderDecoderCache:
     """Self-attention slots from the decoder's attentions; cross-attention keys/values in a `DynamicCache`."""
     return EncoderDecoderCache(ZooCache.for_transformer(decoder), DynamicCache())
+
+
+class RecurrentStateLayer(CacheLayerMixin):
+    """A cache slot for attentions that decode from a fixed-size state instead of stored keys and values
+    (linear attention's S and z, say). `state` holds tensors with a leading batch dimension, which beam search
+    reorders; `shared` holds per-sequence constants without one (e.g. the random projection used at prefill, so a
+    whole generation uses one projection). It counts tokens, so `get_seq_length()` works and generate() can use it.
+    """
+
+    is_croppable = False
+
+    def __init__(self):
+        super().__init__()
+        self.state: dict[str, torch.Tensor] = {}
+        self.shared: dict[str, torch.Tensor] = {}
+        self.seen_tokens = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("a recurrent state layer holds no keys/values; use `store` and `state`")
+
+    def store(self, new_tokens: int, **tensors: torch.Tensor) -> None:
+        self.state.update(tensors)
+        self.seen_tokens += new_tokens
+        self.is_initialized = True
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state, self.shared, self.seen_tokens = {}, {}, 0
+
+    def _map(self, fn) -> None:
+        self.state = {name: fn(t) for name, t in self.state.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        pass

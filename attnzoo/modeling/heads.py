@@ -22,10 +22,11 @@ from transformers.modeling_outputs import (
 )
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.modeling.attention import ZooAttention
 from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
-from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy
+from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
 
 
 def _output(output, return_dict):
@@ -46,6 +47,8 @@ class ZooPreTrainedModel(PreTrainedModel):
         if isinstance(module, AxialPositionEmbedding):
             for weight in module.weights:
                 init.normal_(weight, mean=0.0, std=std)
+        elif isinstance(module, ZooAttention):
+            module.init_buffers()
         elif isinstance(module, PatchEmbedding):
             if module.cls_token is not None:
                 init.trunc_normal_(module.cls_token, std=std)
@@ -218,11 +221,12 @@ def classification_loss(config, logits, labels):
             config.problem_type = "single_label_classification"
         else:
             config.problem_type = "multi_label_classification"
+    logits = upcast(logits)
     if config.problem_type == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().view(-1))
+        return F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype).view(-1))
     if config.problem_type == "single_label_classification":
-        return F.cross_entropy(logits.float(), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return F.cross_entropy(logits, labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
 
 
 class ClassifierHead(nn.Module):
@@ -298,7 +302,7 @@ class ZooForImageClassification(ZooPreTrainedModel):
         loss = None
         if labels is not None:  # soft targets (Mixup/CutMix) are [batch, num_labels] floats
             if labels.dim() == 2 and labels.is_floating_point() and labels.shape[-1] == logits.shape[-1] > 1:
-                loss = torch.sum(-labels * logits.float().log_softmax(-1), dim=-1).mean()
+                loss = torch.sum(-labels * upcast(logits).log_softmax(-1), dim=-1).mean()
             else:
                 loss = classification_loss(self.config, logits, labels)
         return _output(ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),

@@ -9,8 +9,13 @@ from torch.utils.checkpoint import checkpoint
 IGNORE_INDEX = -100
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 for losses (bf16/fp16 logits are upcast; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _chunk_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:
-    logits = head(hidden).float()
+    logits = upcast(head(hidden))
     return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -3,6 +3,16 @@
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
 from attnzoo.modeling import heads
 
+__all__ = [
+    "ZooSoftmaxPreTrainedModel",
+    "ZooSoftmaxModel",
+    "ZooSoftmaxForCausalLM",
+    "ZooSoftmaxForMaskedLM",
+    "ZooSoftmaxForSequenceClassification",
+    "ZooSoftmaxForImageClassification",
+    "ZooSoftmaxForConditionalGeneration",
+]
+
 
 class ZooSoftmaxPreTrainedModel(heads.ZooPreTrainedModel):
     config_class = ZooSoftmaxConfig

@@ -1,10 +1,14 @@
 """Attention modules by name. Importing a module file registers it (see `base.py` for the contract)."""
 
 from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
+from attnzoo.modeling.attention.favor import EluAttention, FavorAttention, KernelAttention
 from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
 
 __all__ = [
     "ATTENTION_REGISTRY",
+    "EluAttention",
+    "FavorAttention",
+    "KernelAttention",
     "SoftmaxAttention",
     "SoftmaxCrossAttention",
     "ZooAttention",

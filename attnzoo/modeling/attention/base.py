@@ -18,6 +18,8 @@ and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
   from hidden state that differs between two calls with the same seed. In a reversible stack the backward pass
   recomputes the forward after restoring the RNG state; a module whose forward state is expensive or must not
   change (e.g. LSH buckets) records it in `replay` on the first call and reads it back on the recomputation.
+- Per-step decisions (e.g. redrawing random features) belong in `prepare()`, which the stack calls once per
+  forward pass; a recomputation in the backward pass does not call it again.
 - Each module keeps a plain, obviously-correct `reference_forward` with the same signature; tests compare the
   fast path against it and against exact softmax attention.
 
@@ -70,6 +72,16 @@ class ZooAttention(nn.Module):
     @classmethod
     def check_config(cls, config) -> None:
         """Raise ValueError for config values this attention cannot use. Called by the config's validation."""
+
+    def prepare(self) -> None:
+        """Called once per forward pass of the whole stack, before any block runs (never on a recomputation in
+        a reversible or checkpointed backward): the place for per-step decisions such as redrawing random
+        features, so that recomputations see the same state."""
+
+    def init_buffers(self) -> None:
+        """Fill the module's buffers (e.g. a saved random projection). Called from the model's `_init_weights`,
+        also on the meta device, for modules whose buffers a checkpoint did not provide: use
+        `transformers.initialization` functions, which leave loaded tensors alone."""
 
     def new_cache_layer(self):
         """The `CacheLayerMixin` that holds this layer's decoding state."""

@@ -1,0 +1,222 @@
+"""Kernelised linear attention: Performer's FAVOR+ (positive or hyperbolic random features) and the deterministic
+elu+1 map of "Transformers are RNNs" (seed 003). Spec: shared/spec/random_feature_attention.md §1.
+
+Bidirectional attention uses the linear form, causal attention the chunked form, decoding the recurrent form with
+a `RecurrentStateLayer` holding (S, z, key constant): every new token costs the same whatever the context length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.attention.random_features import (
+    elu_features,
+    gaussian_projection,
+    linear_attention_bidirectional,
+    linear_attention_causal,
+    linear_attention_reference,
+    linear_attention_step,
+    log_positive_features,
+    stabilised_key_features,
+    stabilised_query_features,
+)
+from attnzoo.modeling.cache import RecurrentStateLayer
+
+REDRAW_POLICIES = ("every_step", "interval", "fixed")
+FEATURE_MAPS = ("positive", "hyperbolic")
+
+
+class KernelAttention(ZooAttention):
+    """Linear attention over positive features given in log space by `log_features(x)` [B, H, N, r]."""
+
+    family_config = "ZooPerformerConfig"
+    required_config_fields = ("linear_attention_chunk_size",)
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.chunk_size = config.linear_attention_chunk_size
+
+    def log_features(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def new_cache_layer(self):
+        return RecurrentStateLayer()
+
+    def _heads(self, hidden_states):
+        # Linear attention sums over the whole sequence: accumulate in float32 at least, whatever the model dtype.
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        return (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
+        q, k, v = self._heads(hidden_states)
+        batch, _, length, _ = q.shape
+        layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+        if layer is not None and not self.causal:
+            raise ValueError("a cache is only used by causal (decoder) attention.")
+        past = layer.get_seq_length() if layer is not None else 0
+        key_mask = check_attention_mask(attention_mask, batch, past + length)
+        key_mask = key_mask[:, past:] if key_mask is not None else None
+        phi_q = stabilised_query_features(self.log_features(q, layer))
+        log_phi_k = self.log_features(k, layer)
+        if layer is None:
+            phi_k, _ = stabilised_key_features(log_phi_k, key_mask)
+            if self.causal:
+                out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size)
+            else:
+                out = linear_attention_bidirectional(phi_q, phi_k, v)
+        else:
+            out = self._decode(phi_q, log_phi_k, v, key_mask, layer)
+        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+
+    def _decode(self, phi_q, log_phi_k, v, key_mask, layer: RecurrentStateLayer):
+        """Causal attention from a recurrent state: the key constant is a running max; when it grows, the state is
+        rescaled, so outputs equal the parallel form's."""
+        if key_mask is not None:
+            log_phi_k = log_phi_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
+        new_max = log_phi_k.amax(dim=(-2, -1), keepdim=True)
+        if layer.state:
+            s, z, c_old = layer.state["s"], layer.state["z"], layer.state["c"]
+            c = torch.maximum(c_old, new_max)
+            scale = torch.exp(c_old - c)
+            s, z = s * scale, z * scale[..., 0]
+        else:
+            c = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            s = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1], v.shape[-1])
+            z = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1])
+        phi_k = torch.exp(log_phi_k - c)
+        if phi_q.shape[2] == 1:
+            out, (s, z) = linear_attention_step(phi_q, phi_k, v, (s, z))
+        else:  # a multi-token prefill: the chunked form, then fold the new keys into the state
+            out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size, state=(s, z))
+            s = s + torch.einsum("bhnr,bhne->bhre", phi_k, v)
+            z = z + phi_k.sum(2)
+        layer.store(phi_q.shape[2], s=s, z=z, c=c)
+        return out
+
+    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,
+                          grid_size=None):
+        """The masked quadratic form over the same features (no cache)."""
+        q, k, v = self._heads(hidden_states)
+        batch, _, length, _ = q.shape
+        key_mask = check_attention_mask(attention_mask, batch, length)
+        phi_q = stabilised_query_features(self.log_features(q, None))
+        phi_k, _ = stabilised_key_features(self.log_features(k, None), key_mask)
+        allowed = torch.ones(length, length, dtype=torch.bool, device=q.device)
+        if self.causal:
+            allowed = allowed.tril()
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+        out = linear_attention_reference(phi_q, phi_k, v, allowed)
+        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+
+
+@register_attention("favor")
+class FavorAttention(KernelAttention):
+    """Performer's FAVOR+: exp(q̂·k̂) estimated with positive (or hyperbolic) random features.
+
+    Projection policy (`feature_redraw`): "every_step" draws new features for every training forward (the RA/LARA
+    paper's set-up), "interval" every `feature_redraw_interval` training forwards (performer-pytorch's), "fixed"
+    never. Evaluation always uses `eval_projection`, a persistent buffer saved with the checkpoint, so a reloaded
+    model gives identical outputs. Features are drawn per head, shared across the batch.
+    """
+
+    required_config_fields = KernelAttention.required_config_fields + (
+        "num_random_features", "feature_map", "orthogonal_features", "feature_norm", "feature_redraw",
+        "feature_redraw_interval")
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        self.num_features = config.num_random_features
+        self.hyperbolic = config.feature_map == "hyperbolic"
+        self.orthogonal = config.orthogonal_features
+        self.norm = config.feature_norm
+        self.redraw = config.feature_redraw
+        self.redraw_interval = config.feature_redraw_interval
+        shape = (self.num_heads, self.num_features, self.head_dim)
+        # Filled by init_buffers() (from _init_weights) unless a checkpoint provides them.
+        self.register_buffer("eval_projection", torch.empty(shape), persistent=True)
+        if self.redraw == "interval":
+            self.register_buffer("train_projection", torch.empty(shape), persistent=True)
+            self.register_buffer("redraw_counter", torch.zeros((), dtype=torch.long), persistent=True)
+        self._current_projection = None
+        self._calls = None  # a host copy of redraw_counter, so prepare() never waits for the device
+
+    def init_buffers(self) -> None:
+        init.copy_(self.eval_projection, self.draw_projection(self.eval_projection.device))
+        if self.redraw == "interval":
+            init.copy_(self.train_projection, self.draw_projection(self.train_projection.device))
+            init.zeros_(self.redraw_counter)
+        self._calls = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self._calls = None  # re-read the loaded counter (e.g. after accelerator.load_state)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.feature_map not in FEATURE_MAPS:
+            raise ValueError(f"feature_map={config.feature_map!r} is invalid: use one of {FEATURE_MAPS}.")
+        if config.feature_redraw not in REDRAW_POLICIES:
+            raise ValueError(f"feature_redraw={config.feature_redraw!r} is invalid: use one of {REDRAW_POLICIES}.")
+        if config.feature_norm not in ("chi", "sqrt_d"):
+            raise ValueError(f"feature_norm={config.feature_norm!r} is invalid: use 'chi' or 'sqrt_d'.")
+        for name in ("num_random_features", "feature_redraw_interval"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name}={getattr(config, name)} is invalid: set a positive integer.")
+
+    def draw_projection(self, device=None) -> torch.Tensor:
+        return gaussian_projection((self.num_heads, self.num_features), self.head_dim, orthogonal=self.orthogonal,
+                                   norm=self.norm, device=device)
+
+    def prepare(self) -> None:
+        if not self.training or self.redraw == "fixed":
+            self._current_projection = self.eval_projection
+        elif self.redraw == "every_step":
+            self._current_projection = self.draw_projection(self.eval_projection.device)
+        else:
+            if self._calls is None:
+                self._calls = int(self.redraw_counter)  # once after construction or loading
+            if self._calls % self.redraw_interval == 0:
+                self.train_projection.copy_(self.draw_projection(self.train_projection.device))
+            self._calls += 1
+            self.redraw_counter.fill_(self._calls)
+            self._current_projection = self.train_projection
+
+    def projection(self, layer: RecurrentStateLayer | None) -> torch.Tensor:
+        if layer is not None and "projection" in layer.shared:  # one projection for a whole generation
+            return layer.shared["projection"]
+        projection = self._current_projection if self._current_projection is not None else self.eval_projection
+        if layer is not None:
+            layer.shared["projection"] = projection
+        return projection
+
+    def log_features(self, x, layer=None):
+        return log_positive_features(x, self.projection(layer), self.hyperbolic)
+
+
+@register_attention("elu")
+class EluAttention(KernelAttention):
+    """Linear attention with the deterministic feature map elu(x) + 1 (Katharopoulos et al., 2020; seed 003)."""
+
+    required_config_fields = KernelAttention.required_config_fields + ("elu_alpha",)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if not 0.0 < config.elu_alpha <= 1.0:
+            raise ValueError(f"elu_alpha={config.elu_alpha} is invalid: elu(x) + 1 stays positive only for "
+                             "0 < alpha <= 1.")
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        self.alpha = config.elu_alpha
+
+    def log_features(self, x, layer=None):
+        return torch.log(elu_features(x, self.alpha))

@@ -1,0 +1,148 @@
+"""Random-feature machinery shared by Performer (FAVOR+), elu+1 linear attention, RA and LARA.
+
+Spec: shared/spec/random_feature_attention.md §1 (notation: q̂ = d^{-1/4} q, so q̂·k̂ = q·k/√d).
+
+- Projections: rows marginally N(0, I_d), i.i.d. or block-orthogonal with the QR sign fix (unbiased, §1.2 step 4).
+- Log-features: ℓ(x, w) = w·x̂ − ‖x̂‖²/2, so exp(ℓ) is Performer's positive map before the 1/√m factor.
+- Linear attention in three exact forms over non-negative features φ_Q, φ_K (§1.1): bidirectional, causal chunked
+  (never builds an [N, features, d_v] tensor) and recurrent (state S, z), plus the masked quadratic reference.
+
+Stabilisation: a per-query max over features and one constant shared by all keys of a sequence (per batch element
+and head) are subtracted from the log-features. Both cancel exactly between numerator and denominator because no
+ε is added to the features (spec §1.2, option (a)), so the shared key constant does not leak the future; decoding
+keeps a running max and rescales its state (option (b)), which gives the same outputs. The constants are detached.
+Everything is computed in float32 or wider.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+# -- projections --------------------------------------------------------------------------------------------
+def gaussian_projection(shape: tuple[int, ...], dim: int, *, orthogonal: bool, norm: str = "chi",
+                        generator: torch.Generator | None = None, device=None,
+                        dtype=torch.float32) -> torch.Tensor:
+    """[*shape, dim] rows that are each marginally N(0, I_dim).
+
+    orthogonal=True stacks blocks of `dim` orthonormal directions (QR of a Gaussian matrix with the columns of Q
+    multiplied by sign(diag R), which makes Q Haar-distributed) and gives each row a length: "chi" (the length of
+    an independent Gaussian vector, so rows stay marginally Gaussian and the kernel estimate unbiased) or "sqrt_d".
+    """
+    *lead, rows = shape
+    if not orthogonal:
+        return torch.randn(*lead, rows, dim, generator=generator, device=device, dtype=dtype)
+    blocks = math.ceil(rows / dim)
+    gauss = torch.randn(*lead, blocks, dim, dim, generator=generator, device=device, dtype=torch.float64)
+    q, r = torch.linalg.qr(gauss)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # the sign fix
+    directions = q.transpose(-1, -2).reshape(*lead, blocks * dim, dim)[..., :rows, :]
+    if norm == "chi":
+        lengths = torch.randn(*lead, rows, dim, generator=generator, device=device, dtype=torch.float64).norm(dim=-1)
+    elif norm == "sqrt_d":
+        lengths = torch.full((*lead, rows), math.sqrt(dim), device=device, dtype=torch.float64)
+    else:
+        raise ValueError(f"norm={norm!r}: use 'chi' or 'sqrt_d'.")
+    return (directions * lengths.unsqueeze(-1)).to(dtype)
+
+
+# -- feature maps -------------------------------------------------------------------------------------------
+def log_positive_features(x: torch.Tensor, projection: torch.Tensor, hyperbolic: bool = False) -> torch.Tensor:
+    """ℓ(x̂, w) for x [B, H, N, d] and projection [H, m, d] -> [B, H, N, m] (2m features when hyperbolic:
+    [w·x̂ − ‖x̂‖²/2, −w·x̂ − ‖x̂‖²/2], whose sum of exps is unbiased for exp(x̂·ŷ) with lower variance)."""
+    x_hat = x * x.shape[-1] ** -0.25
+    logits = torch.einsum("bhnd,hmd->bhnm", x_hat, projection.to(x.dtype))
+    half_norm = 0.5 * (x_hat * x_hat).sum(-1, keepdim=True)
+    if hyperbolic:
+        logits = torch.cat([logits, -logits], dim=-1)
+    return logits - half_norm
+
+
+def positive_random_features(x: torch.Tensor, projection: torch.Tensor, hyperbolic: bool = False) -> torch.Tensor:
+    """Performer's φ⁺(x) = exp(ℓ(x̂, w)) / √(number of features), unstabilised: E[φ⁺(q)·φ⁺(k)] = exp(q̂·k̂)."""
+    log_phi = log_positive_features(x, projection, hyperbolic)
+    return torch.exp(log_phi) / math.sqrt(log_phi.shape[-1])
+
+
+def stabilised_query_features(log_phi_q: torch.Tensor) -> torch.Tensor:
+    """exp(ℓ − max over features), per query: a per-query constant, which cancels in each query's ratio."""
+    return torch.exp(log_phi_q - log_phi_q.amax(dim=-1, keepdim=True).detach())
+
+
+def stabilised_key_features(log_phi_k: torch.Tensor, key_mask: torch.Tensor | None) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    """(exp(ℓ − c) with padded keys zeroed, c): c is one detached constant per (batch, head) over real keys."""
+    if key_mask is not None:
+        log_phi_k = log_phi_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
+    c = log_phi_k.amax(dim=(-2, -1), keepdim=True).detach()
+    c = torch.where(torch.isfinite(c), c, torch.zeros_like(c))  # a sequence with no real key at all
+    return torch.exp(log_phi_k - c), c
+
+
+def elu_features(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """elu(x) + 1 (Katharopoulos et al.): x + 1 for x > 0, 1 + α(eˣ − 1) otherwise; positive for α ≤ 1."""
+    return torch.nn.functional.elu(x, alpha=alpha) + 1.0
+
+
+# -- linear attention ---------------------------------------------------------------------------------------
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    # A query that sees no key (a padded position) has den = 0; give it a zero output instead of NaN.
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny).unsqueeze(-1)
+
+
+def linear_attention_bidirectional(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """out_n = φ_Q(q_n)ᵀ S / φ_Q(q_n)ᵀ z with S = Φ_Kᵀ V, z = Φ_Kᵀ 1. Shapes [B, H, N, r] and [B, H, M, d_v]."""
+    kv = torch.einsum("bhmr,bhme->bhre", phi_k, v)
+    return _ratio(torch.einsum("bhnr,bhre->bhne", phi_q, kv), torch.einsum("bhnr,bhr->bhn", phi_q, phi_k.sum(2)))
+
+
+def linear_attention_causal(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int,
+                            state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal linear attention in chunks of `chunk_size` (any N): each query sees the state of all earlier chunks
+    (an exclusive cumulative sum of per-chunk Φ_Kᵀ V) plus the keys at or before it in its own chunk.
+
+    Memory is O(N·chunk + (N/chunk)·r·d_v); no [N, r, d_v] tensor is built. `state` = (S, z) of keys that come
+    before these queries (a decoding prefix), already expressed with the same key constant.
+    """
+    batch, heads, n, r = phi_q.shape
+    pad = (-n) % chunk_size
+    if pad:
+        phi_q, phi_k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
+    chunks = (n + pad) // chunk_size
+    fq = phi_q.view(batch, heads, chunks, chunk_size, r)
+    fk = phi_k.view(batch, heads, chunks, chunk_size, r)
+    vv = v.view(batch, heads, chunks, chunk_size, -1)
+    kv = torch.einsum("bhclr,bhcle->bhcre", fk, vv)
+    k_sum = fk.sum(3)
+    kv_before = kv.cumsum(2) - kv  # exclusive: the chunks strictly before
+    k_before = k_sum.cumsum(2) - k_sum
+    if state is not None:
+        kv_before = kv_before + state[0].unsqueeze(2)
+        k_before = k_before + state[1].unsqueeze(2)
+    scores = torch.einsum("bhclr,bhcmr->bhclm", fq, fk).tril()
+    num = torch.einsum("bhclr,bhcre->bhcle", fq, kv_before) + torch.einsum("bhclm,bhcme->bhcle", scores, vv)
+    den = torch.einsum("bhclr,bhcr->bhcl", fq, k_before) + scores.sum(-1)
+    out = _ratio(num, den).reshape(batch, heads, chunks * chunk_size, -1)
+    return out[:, :, :n]
+
+
+def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                          state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+    """One recurrent step per query position, in order: S ← S + φ_K vᵀ, z ← z + φ_K, out = φ_Qᵀ S / φ_Qᵀ z.
+    Used for decoding; shapes [B, H, T, r] with T small (usually 1). Returns (out, new state)."""
+    s, z = state
+    kv = torch.einsum("bhtr,bhte->bhtre", phi_k, v).cumsum(2) + s.unsqueeze(2)
+    k_sum = phi_k.cumsum(2) + z.unsqueeze(2)
+    out = _ratio(torch.einsum("bhtr,bhtre->bhte", phi_q, kv), torch.einsum("bhtr,bhtr->bht", phi_q, k_sum))
+    return out, (kv[:, :, -1], k_sum[:, :, -1])
+
+
+def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                               allowed: torch.Tensor | None) -> torch.Tensor:
+    """The masked quadratic form: A = Φ_Q Φ_Kᵀ ⊙ allowed, out = diag(A 1)⁻¹ A V."""
+    scores = phi_q @ phi_k.transpose(-1, -2)
+    if allowed is not None:
+        scores = scores * allowed
+    return _ratio(scores @ v, scores.sum(-1))

@@ -133,6 +133,11 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     """One recurrent step per query position, in order: S ← S + φ_K vᵀ, z ← z + φ_K, out = φ_Qᵀ S / φ_Qᵀ z.
     Used for decoding; shapes [B, H, T, r] with T small (usually 1). Returns (out, new state)."""
     s, z = state
+    if phi_q.shape[2] == 1:  # the usual decoding step: a rank-1 update, no [T, r, d_v] intermediate
+        s = s + phi_k[:, :, 0, :, None] * v[:, :, 0, None, :]
+        z = z + phi_k[:, :, 0]
+        num = (phi_q[:, :, 0, :, None] * s).sum(2)
+        return _ratio(num, (phi_q[:, :, 0] * z).sum(-1)).unsqueeze(2), (s, z)
     kv = torch.einsum("bhtr,bhte->bhtre", phi_k, v).cumsum(2) + s.unsqueeze(2)
     k_sum = phi_k.cumsum(2) + z.unsqueeze(2)
     out = _ratio(torch.einsum("bhtr,bhtre->bhte", phi_q, kv), torch.einsum("bhtr,bhtr->bht", phi_q, k_sum))

@@ -2,6 +2,8 @@
 
 from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
 from attnzoo.modeling.attention.favor import EluAttention, FavorAttention, KernelAttention
+from attnzoo.modeling.attention.lara import LinearRandomizedAttention
+from attnzoo.modeling.attention.randomized import RandomizedAttention
 from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
 
 __all__ = [
@@ -9,6 +11,8 @@ __all__ = [
     "EluAttention",
     "FavorAttention",
     "KernelAttention",
+    "LinearRandomizedAttention",
+    "RandomizedAttention",
     "SoftmaxAttention",
     "SoftmaxCrossAttention",
     "ZooAttention",

@@ -151,3 +151,35 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
     if allowed is not None:
         scores = scores * allowed
     return _ratio(scores @ v, scores.sum(-1))
+
+
+# -- sampling noise and SNIS (RA / LARA) --------------------------------------------------------------------
+def sample_noise_std(setting, head_dim: int) -> float:
+    """σ of the sampling noise in pre-scaled coordinates: "paper" = 1 (exactly unbiased RA), "official" = d^(-1/4)
+    (what the official code's unscaled noise amounts to; spec §5.1), or a number."""
+    if setting == "paper":
+        return 1.0
+    if setting == "official":
+        return head_dim ** -0.25
+    return float(setting)
+
+
+def log_features_at(x_hat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
+    """ℓ(x̂_n, ω_c) = ω_c·x̂_n − ‖x̂_n‖²/2 for pre-scaled x̂ [B, H, N, d] and per-sequence samples ω [B, H, C, d]
+    -> [B, H, N, C]."""
+    return x_hat @ omega.transpose(-1, -2) - 0.5 * (x_hat * x_hat).sum(-1, keepdim=True)
+
+
+def snis_attention(log_feat_q: torch.Tensor, log_feat_k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
+                   log_proposal: torch.Tensor) -> torch.Tensor:
+    """Self-normalised (multiple) importance sampling attention, the core of RA and LARA (spec §2, §4.1, §4.6).
+
+    For samples ω_c: out_n = Σ_c w_nc f(ω_c), f(ω_c) = Σ_m softmax_m(ℓ(k̂_m, ω_c)) v_m and
+    w_n = softmax_c(log α_nc + ℓ(q̂_n, ω_c) + LSE_m ℓ(k̂_m, ω_c) − log q̃_c(ω_c)).
+    Shapes: log_feat_q [B, H, N, C], log_feat_k [B, H, M, C] (−inf for excluded keys), v [B, H, M, d_v],
+    log_alpha broadcastable to [B, H, N, C] (−inf for unavailable samples), log_proposal broadcastable to [B, H, 1, C].
+    """
+    key_lse = torch.logsumexp(log_feat_k, dim=-2)  # [B, H, C]
+    f = torch.softmax(log_feat_k, dim=-2).transpose(-1, -2) @ v  # [B, H, C, d_v]
+    weights = torch.softmax(log_alpha + log_feat_q + (key_lse.unsqueeze(-2) - log_proposal), dim=-1)
+    return weights @ f

@@ -1,0 +1,39 @@
+"""The LARA family: linear randomized attention (seed 002 §4) in the shared backbone."""
+
+from attnzoo.configuration.base import ZooConfig
+
+
+class ZooLARAConfig(ZooConfig):
+    """Linear Randomized Attention (Zheng et al., 2022) on the shared backbone.
+
+    Args beyond `ZooConfig`:
+        attn_layers: "lara" layers (or "full"); in a causal model they are this project's chunk-causal LARA.
+        decoder_attn_layers: the decoder of an encoder-decoder model: exact softmax by default (seed 002 §5.4).
+        lara_num_samples: C, the number of proposals = landmarks = samples (e.g. 16/32/64 for WMT, 49 for DeiT).
+        lara_samples_per_proposal: samples drawn from each proposal (1 in the paper).
+        lara_landmarks: "1d" (contiguous segments), "2d" (pooled image grid; C a perfect square) or "auto" (2-D
+            when the tokens are exactly an image's patch grid, i.e. mean pooling without a class token; else 1-D).
+        lara_proposal_mean: "q+k" (Eq. 34, the default) or "q+mixed_k" (Eq. 35, the paper's vision choice).
+        lara_landmark_transform: a Linear+LayerNorm on landmarks, shared across heads (the paper's adaptive proposals).
+        lara_weighting: "query_specific" (Eq. 38, the default) or "balance" (the balance heuristic, Eq. 36).
+        lara_alpha_coeff: λ of Eq. 38 (1.0; the official DeiT/PVT commands use 2.0).
+        lara_r_normalize: axis of r's normalisation: "queries" (the official code) or "proposals" (causal LARA
+            always normalises over its available proposals).
+        lara_chunk_size: chunk length of causal LARA (a proposal per completed chunk).
+        sample_noise_std: "official" (d**-0.25, which produced the reported numbers), "paper" (1.0) or a number.
+    """
+
+    model_type = "attnzoo_lara"
+
+    attn_layers: list[str] | tuple[str, ...] = ("lara",)
+    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)
+    lara_num_samples: int = 16
+    lara_samples_per_proposal: int = 1
+    lara_landmarks: str = "auto"
+    lara_proposal_mean: str = "q+k"
+    lara_landmark_transform: bool = True
+    lara_weighting: str = "query_specific"
+    lara_alpha_coeff: float = 1.0
+    lara_r_normalize: str = "queries"
+    lara_chunk_size: int = 64
+    sample_noise_std: str | float = "official"

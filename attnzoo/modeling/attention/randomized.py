@@ -1,0 +1,113 @@
+"""Randomized Attention (RA; Zheng et al., ICML 2022 = seed 002 §3; spec §3).
+
+Softmax attention is the expectation of f_n(ω) = Σ_m softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m under the Gaussian mixture
+p_n(ω) = Σ_m π_nm N(ω; q̂_n + k̂_m, I). RA samples ω from p_n exactly (a categorical index without gradient, then a
+reparameterised Gaussian) and averages f over `ra_num_samples` draws: unbiased with σ = 1 ("paper" noise).
+The biased variant (Eq. 31) replaces the index by its mean, ω_n = q̂_n + Σ_m π_nm k̂_m (+ noise), so gradients flow
+through π. At evaluation the noise is dropped; the unbiased variant still samples the index (spec §3.1, §5.7), the
+biased one is deterministic. Causal and padding masks restrict both π and f (the official code ignores padding).
+Cost is quadratic, like softmax; decoding uses a KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicLayer
+
+from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
+from attnzoo.modeling.attention.random_features import sample_noise_std
+
+RA_VARIANTS = ("unbiased", "biased")
+
+
+def check_noise_setting(config) -> None:
+    value = config.sample_noise_std
+    if value in ("paper", "official"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"sample_noise_std={value!r} is invalid: use 'paper' (1.0), 'official' (d**-0.25) or a "
+                         "non-negative number.")
+
+
+@register_attention("ra")
+class RandomizedAttention(ZooAttention):
+    family_config = "ZooRAConfig"
+    required_config_fields = ("ra_variant", "ra_num_samples", "sample_noise_std")
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.variant = config.ra_variant
+        self.num_samples = config.ra_num_samples
+        self.noise_std = sample_noise_std(config.sample_noise_std, self.head_dim)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.ra_variant not in RA_VARIANTS:
+            raise ValueError(f"ra_variant={config.ra_variant!r} is invalid: use one of {RA_VARIANTS}.")
+        if config.ra_num_samples < 1:
+            raise ValueError(f"ra_num_samples={config.ra_num_samples} is invalid: set a positive integer.")
+        check_noise_setting(config)
+
+    def new_cache_layer(self):
+        return DynamicLayer()
+
+    def _inputs(self, hidden_states, attention_mask, past_key_values):
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
+        allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
+        scale = self.head_dim ** -0.25
+        return q.to(compute) * scale, k.to(compute) * scale, v.to(compute), allowed
+
+    def sample_omega(self, q_hat, k_hat, allowed) -> torch.Tensor:
+        """ω [B, H, N, S, d]: draws from p_n (unbiased) or its moment-matched Gaussian (biased)."""
+        scores = q_hat @ k_hat.transpose(-1, -2)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        samples = self.num_samples
+        if self.variant == "unbiased":
+            with torch.no_grad():  # the index carries no gradient (no score-function term), as in the paper
+                gumbel = -torch.log(-torch.log(torch.rand(*scores.shape[:3], samples, scores.shape[-1],
+                                                          device=scores.device, dtype=scores.dtype)))
+                index = (scores.unsqueeze(-2) + gumbel).argmax(-1)  # Gumbel-max: index ~ softmax(scores)
+            chosen = torch.gather(k_hat.unsqueeze(2).expand(-1, -1, index.shape[2], -1, -1), 3,
+                                  index.unsqueeze(-1).expand(-1, -1, -1, -1, k_hat.shape[-1]))
+            mean = q_hat.unsqueeze(3) + chosen
+        else:
+            mean = (q_hat + scores.softmax(-1) @ k_hat).unsqueeze(3).expand(-1, -1, -1, samples, -1)
+        if self.training and self.noise_std:
+            return mean + self.noise_std * torch.randn_like(mean)
+        return mean
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
+        q_hat, k_hat, v, allowed = self._inputs(hidden_states, attention_mask, past_key_values)
+        omega = self.sample_omega(q_hat, k_hat, allowed)
+        # f(ω) = softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v: the query factor of p_n cancels (spec §2).
+        logits = omega @ k_hat.unsqueeze(2).transpose(-1, -2) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.unsqueeze(3), float("-inf"))
+        out = (logits.softmax(-1) @ v.unsqueeze(2)).mean(3)
+        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+
+    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,
+                          grid_size=None):
+        """The same draws, with f written as the ratio of the mixture's densities, query factor included:
+        f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
+        q_hat, k_hat, v, allowed = self._inputs(hidden_states, attention_mask, past_key_values)
+        omega = self.sample_omega(q_hat, k_hat, allowed)
+        xi_q = torch.exp((omega * q_hat.unsqueeze(3)).sum(-1) - 0.5 * (q_hat * q_hat).sum(-1, keepdim=True))
+        xi_k = torch.exp(torch.einsum("bhnsd,bhmd->bhnsm", omega, k_hat) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None,
+                                                                                                         None])
+        weights = xi_q.unsqueeze(-1) * xi_k
+        if allowed is not None:
+            weights = weights * allowed.unsqueeze(3)
+        out = (weights @ v.unsqueeze(2) / weights.sum(-1, keepdim=True)).mean(3)
+        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))

@@ -156,7 +156,8 @@ class LinearRandomizedAttention(ZooAttention):
 
     def _draw(self, mu):
         if self.training and self.noise_std:
-            return mu + self.noise_std * torch.randn_like(mu)
+            # randn(shape), not randn_like: the draws must not depend on the tensor's memory layout.
+            return mu + self.noise_std * torch.randn(mu.shape, device=mu.device, dtype=mu.dtype)
         return mu
 
     # -- bidirectional ------------------------------------------------------------------------------------
@@ -185,6 +186,9 @@ class LinearRandomizedAttention(ZooAttention):
         else:
             log_alpha = self._query_specific(q_hat, q_bar_hat, valid, key_mask, log_balance, own)
         log_alpha = log_alpha.masked_fill(~sample_valid[:, None, None, :], float("-inf"))
+        # A proposal from an empty segment (fewer real tokens than proposals) has weight −inf already; a finite
+        # density keeps −inf − (−inf) = NaN out of its log-weight.
+        log_proposal = log_proposal.masked_fill(~sample_valid[:, None, :], 0.0)
         return log_q, log_k, v, log_alpha, log_proposal.unsqueeze(2)
 
     def _query_specific(self, q_hat, q_bar_hat, valid, key_mask, log_balance, own):
@@ -306,7 +310,8 @@ class LinearRandomizedAttention(ZooAttention):
             key_mask = check_attention_mask(attention_mask, q.shape[0], q.shape[2])
             if key_mask is not None:
                 raise ValueError("the causal reference handles unpadded input only")
-            log_a, log_k = self._causal_terms(q, k, v, torch.full((q.shape[0],), q.shape[2], device=q.device))
+            terms = self._causal_terms(q, k, v, torch.full((q.shape[0],), q.shape[2], device=q.device))
+            log_a, log_k = terms["log_a"], terms["log_k"]
             scores = (log_a.exp() @ log_k.exp().transpose(-1, -2)).tril()
             out = scores @ v / scores.sum(-1, keepdim=True)
         else:

@@ -21,6 +21,41 @@ from attnzoo.modeling.attention.random_features import sample_noise_std
 RA_VARIANTS = ("unbiased", "biased")
 
 
+def sample_index(scores: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """[..., num_samples] indices drawn from softmax(scores) over the last axis (Gumbel-max; no gradient)."""
+    with torch.no_grad():
+        uniform = torch.rand(*scores.shape[:-1], num_samples, scores.shape[-1], device=scores.device,
+                             dtype=scores.dtype)
+        return (scores.unsqueeze(-2) - torch.log(-torch.log(uniform))).argmax(-1)
+
+
+def sample_omega(q_hat, k_hat, allowed, variant: str, num_samples: int, noise_std: float) -> torch.Tensor:
+    """ω [B, H, N, S, d] for pre-scaled q̂, k̂ [B, H, N|M, d]: exact draws from p_n (unbiased: q̂_n + k̂_m* with
+    m* ~ π_n, then noise) or from its moment-matched Gaussian (biased: q̂_n + Σ_m π_nm k̂_m, then noise)."""
+    scores = q_hat @ k_hat.transpose(-1, -2)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if variant == "unbiased":
+        index = sample_index(scores, num_samples)  # the index carries no gradient, as in the paper
+        chosen = torch.gather(k_hat.unsqueeze(2).expand(-1, -1, index.shape[2], -1, -1), 3,
+                              index.unsqueeze(-1).expand(-1, -1, -1, -1, k_hat.shape[-1]))
+        mean = q_hat.unsqueeze(3) + chosen
+    else:
+        mean = (q_hat + scores.softmax(-1) @ k_hat).unsqueeze(3).expand(-1, -1, -1, num_samples, -1)
+    if not noise_std:
+        return mean
+    # randn(shape), not randn_like: the draws must not depend on the tensor's memory layout.
+    return mean + noise_std * torch.randn(mean.shape, device=mean.device, dtype=mean.dtype)
+
+
+def randomized_aggregate(omega, k_hat, v, allowed) -> torch.Tensor:
+    """Mean over samples of f(ω) = Σ_m softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m (the query factor of p_n cancels)."""
+    logits = omega @ k_hat.unsqueeze(2).transpose(-1, -2) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :]
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed.unsqueeze(3), float("-inf"))
+    return (logits.softmax(-1) @ v.unsqueeze(2)).mean(3)
+
+
 def check_noise_setting(config) -> None:
     value = config.sample_noise_std
     if value in ("paper", "official"):
@@ -68,33 +103,12 @@ class RandomizedAttention(ZooAttention):
         return q.to(compute) * scale, k.to(compute) * scale, v.to(compute), allowed
 
     def sample_omega(self, q_hat, k_hat, allowed) -> torch.Tensor:
-        """ω [B, H, N, S, d]: draws from p_n (unbiased) or its moment-matched Gaussian (biased)."""
-        scores = q_hat @ k_hat.transpose(-1, -2)
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        samples = self.num_samples
-        if self.variant == "unbiased":
-            with torch.no_grad():  # the index carries no gradient (no score-function term), as in the paper
-                gumbel = -torch.log(-torch.log(torch.rand(*scores.shape[:3], samples, scores.shape[-1],
-                                                          device=scores.device, dtype=scores.dtype)))
-                index = (scores.unsqueeze(-2) + gumbel).argmax(-1)  # Gumbel-max: index ~ softmax(scores)
-            chosen = torch.gather(k_hat.unsqueeze(2).expand(-1, -1, index.shape[2], -1, -1), 3,
-                                  index.unsqueeze(-1).expand(-1, -1, -1, -1, k_hat.shape[-1]))
-            mean = q_hat.unsqueeze(3) + chosen
-        else:
-            mean = (q_hat + scores.softmax(-1) @ k_hat).unsqueeze(3).expand(-1, -1, -1, samples, -1)
-        if self.training and self.noise_std:
-            return mean + self.noise_std * torch.randn_like(mean)
-        return mean
+        return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
+                            self.noise_std if self.training else 0.0)
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
         q_hat, k_hat, v, allowed = self._inputs(hidden_states, attention_mask, past_key_values)
-        omega = self.sample_omega(q_hat, k_hat, allowed)
-        # f(ω) = softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v: the query factor of p_n cancels (spec §2).
-        logits = omega @ k_hat.unsqueeze(2).transpose(-1, -2) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :]
-        if allowed is not None:
-            logits = logits.masked_fill(~allowed.unsqueeze(3), float("-inf"))
-        out = (logits.softmax(-1) @ v.unsqueeze(2)).mean(3)
+        out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
     def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,

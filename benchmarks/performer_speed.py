@@ -11,25 +11,26 @@
 2. Decoding: per-token latency of cached greedy decoding after a context of 1K-64K tokens, attnzoo's Performer (a
    recurrent state) against the same backbone with exact softmax attention and a KV cache (PyTorch SDPA).
 
-Every configuration runs in a fresh worker process. Peak memory: on CUDA, `torch.cuda.max_memory_allocated` during
-the measured step minus the memory in use before it (parameters, gradients of the warm-up step); on CPU, the growth
-of the process's peak RSS (`ru_maxrss`) during the first step over the RSS after building the model, which also
-holds parameters; gradients are allocated during that step, so they are included (equally for both). Times are the
-median of `--repeats` steps after one warm-up step. Results: benchmarks/results/performer_speed_<device>.json, .png.
+Every configuration runs in a fresh worker process. Peak memory (benchmarks/harness.py): on CUDA,
+`torch.cuda.max_memory_allocated` during a step minus the memory in use before it (parameters); on CPU, the growth
+of the process's peak RSS during the first step. Gradients are freed before each step, so both figures include
+activations and gradients, equally for both implementations. Times are the median of `--repeats` steps.
+Results: benchmarks/results/performer_speed_<device>.json, .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import run_worker, sync, timed_step_with_peak  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 HIDDEN, LAYERS, HEADS, FEATURES, VOCAB = 256, 4, 4, 256, 256
@@ -58,15 +59,6 @@ def peer_model(max_len: int):
                        causal=True, nb_features=FEATURES, feature_redraw_interval=1000, rotary_position_emb=False)
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def worker_train(impl: str, length: int, device: str, repeats: int) -> dict:
     torch.manual_seed(0)
     model = (peer_model(length) if impl == "performer-pytorch" else zoo_model("performer", length)).to(device)
@@ -81,27 +73,12 @@ def worker_train(impl: str, length: int, device: str, repeats: int) -> dict:
             loss = model(ids, labels=ids).loss
         loss.backward()
 
-    rss_before = rss_mib()
-    if device == "cuda":
-        step()  # warm-up allocates gradients and kernels
-        sync(device)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        sync(device)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        step()
-        peak = rss_mib() - rss_before
-    times = []
-    for _ in range(repeats):
+    def step_with_fresh_grads():
         model.zero_grad(set_to_none=True)
-        sync(device)
-        start = time.perf_counter()
         step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return {"impl": impl, "length": length, "step_s": statistics.median(times), "peak_MiB": peak}
+
+    seconds, peak = timed_step_with_peak(step_with_fresh_grads, device, repeats)
+    return {"impl": impl, "length": length, "step_s": seconds, "peak_MiB": peak}
 
 
 @torch.no_grad()
@@ -121,14 +98,6 @@ def worker_decode(impl: str, context: int, device: str, repeats: int) -> dict:
         if i >= 3:  # warm-up steps
             times.append(time.perf_counter() - start)
     return {"impl": impl, "context": context, "ms_per_token": 1000 * statistics.median(times)}
-
-
-def run_worker(args_list: list[str]) -> dict | None:
-    done = subprocess.run([sys.executable, __file__, "--worker", *args_list], capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"worker {args_list} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -158,7 +127,7 @@ def main():
         for impl in ("attnzoo", "performer-pytorch"):
             if impl == "performer-pytorch" and length > args.peer_max_length:
                 continue
-            row = run_worker(["train", impl, str(length), args.device, str(args.repeats), *threads])
+            row = run_worker(__file__, ["train", impl, str(length), args.device, str(args.repeats), *threads])
             if row:
                 train.append(row)
                 print(json.dumps(row))
@@ -166,7 +135,7 @@ def main():
         for impl in ("performer", "softmax"):
             if impl == "softmax" and context > args.softmax_max_context:
                 continue
-            row = run_worker(["decode", impl, str(context), args.device, str(args.decode_repeats), *threads])
+            row = run_worker(__file__, ["decode", impl, str(context), args.device, str(args.decode_repeats), *threads])
             if row:
                 decode.append(row)
                 print(json.dumps(row))

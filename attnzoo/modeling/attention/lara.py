@@ -164,6 +164,11 @@ class LinearRandomizedAttention(ZooAttention):
     def _bidirectional_terms(self, hidden_states, attention_mask, grid_size):
         q, k, v = self._inputs(hidden_states)
         key_mask = check_attention_mask(attention_mask, q.shape[0], q.shape[2])
+        return self.bidirectional_terms(q, k, v, key_mask, grid_size)
+
+    def bidirectional_terms(self, q, k, v, key_mask=None, grid_size=None):
+        """The inputs of `snis_attention` for per-head q, k, v [B, H, N, d] (unscaled): it can also be applied to
+        another model's projections (the approximation-quality benchmark does)."""
         scale = self.head_dim ** -0.25
         q_bar, k_bar, valid = self._landmarks(q, k, key_mask, grid_size)
         q_hat, k_hat, q_bar_hat = q * scale, k * scale, q_bar * scale

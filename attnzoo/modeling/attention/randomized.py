@@ -37,8 +37,10 @@ def sample_omega(q_hat, k_hat, allowed, variant: str, num_samples: int, noise_st
         scores = scores.masked_fill(~allowed, float("-inf"))
     if variant == "unbiased":
         index = sample_index(scores, num_samples)  # the index carries no gradient, as in the paper
-        chosen = torch.gather(k_hat.unsqueeze(2).expand(-1, -1, index.shape[2], -1, -1), 3,
-                              index.unsqueeze(-1).expand(-1, -1, -1, -1, k_hat.shape[-1]))
+        batch, heads, queries, samples = index.shape
+        # Gather along the key axis with a flat index: O(N·S·d), never an [N, M, d] expansion (nor its gradient).
+        flat = index.reshape(batch, heads, queries * samples, 1).expand(-1, -1, -1, k_hat.shape[-1])
+        chosen = torch.gather(k_hat, 2, flat).view(batch, heads, queries, samples, -1)
         mean = q_hat.unsqueeze(3) + chosen
     else:
         mean = (q_hat + scores.softmax(-1) @ k_hat).unsqueeze(3).expand(-1, -1, -1, num_samples, -1)
@@ -50,10 +52,15 @@ def sample_omega(q_hat, k_hat, allowed, variant: str, num_samples: int, noise_st
 
 def randomized_aggregate(omega, k_hat, v, allowed) -> torch.Tensor:
     """Mean over samples of f(ω) = Σ_m softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m (the query factor of p_n cancels)."""
-    logits = omega @ k_hat.unsqueeze(2).transpose(-1, -2) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :]
+    batch, heads, queries, samples, dim = omega.shape
+    # Samples folded into the query axis: a plain [N·S, d] x [d, M] product (broadcasting keys over [N, S] would
+    # make matmul copy them N times).
+    logits = (omega.reshape(batch, heads, queries * samples, dim) @ k_hat.transpose(-1, -2)
+              - 0.5 * (k_hat * k_hat).sum(-1).unsqueeze(-2)).view(batch, heads, queries, samples, -1)
     if allowed is not None:
         logits = logits.masked_fill(~allowed.unsqueeze(3), float("-inf"))
-    return (logits.softmax(-1) @ v.unsqueeze(2)).mean(3)
+    weights = logits.softmax(-1).view(batch, heads, queries * samples, -1)
+    return (weights @ v).view(batch, heads, queries, samples, -1).mean(3)
 
 
 def check_noise_setting(config) -> None:

@@ -1,0 +1,62 @@
+"""What the benchmark scripts share: device sync, peak-memory readings, median timing, and running a measurement
+in a fresh worker process (so one configuration's memory cannot inflate another's)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def rss_peak_mib() -> float:
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed_step_with_peak(step, device: str, repeats: int) -> tuple[float, float]:
+    """(median seconds of `step()` over `repeats` runs, peak MiB of one run above what was held before it).
+
+    CUDA: `max_memory_allocated` during a step after a warm-up step (parameters, gradients and kernels already
+    allocated and subtracted). CPU: growth of the process's peak RSS during the first step, so gradients are
+    included; run each configuration in its own process (`run_worker`) for this to mean anything.
+    """
+    if device == "cuda":
+        step()
+        sync(device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        sync(device)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        before = rss_peak_mib()
+        step()
+        peak = rss_peak_mib() - before
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), peak
+
+
+def run_worker(script: str, args: list[str]) -> dict | None:
+    """Run `python script --worker ARGS` and return the JSON object it prints last (None, with its error, if it
+    failed, e.g. out of memory)."""
+    done = subprocess.run([sys.executable, script, "--worker", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"worker {args} failed:\n{done.stderr[-1500:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])

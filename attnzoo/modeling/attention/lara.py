@@ -28,6 +28,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.random_features import (
@@ -94,6 +95,7 @@ class LinearRandomizedAttention(ZooAttention):
             self.landmark_k = nn.Sequential(nn.Linear(self.head_dim, self.head_dim), nn.LayerNorm(self.head_dim))
         else:
             self.landmark_q = self.landmark_k = None
+        self._segment_cache = {}
         if causal and self.samples_per_proposal != 1:
             raise ValueError("causal LARA draws one sample per proposal; set lara_samples_per_proposal=1.")
 
@@ -121,7 +123,7 @@ class LinearRandomizedAttention(ZooAttention):
         return x if module is None else module(x.to(module[0].weight.dtype)).to(x.dtype)
 
     def _landmarks(self, q, k, key_mask, grid_size):
-        """(q̄, k̄ [B, H, C, d] unscaled, valid [B, C] bool)."""
+        """(q̄, k̄ [B, H, C, d] unscaled, valid [B, C] bool, or None when every proposal has tokens)."""
         batch, _, length, _ = q.shape
         is_grid = grid_size is not None and grid_size[0] * grid_size[1] == length
         # "auto": 2-D when the tokens are exactly the patch grid; with a class token, 1-D segments.
@@ -139,19 +141,39 @@ class LinearRandomizedAttention(ZooAttention):
                 pooled = nn.functional.adaptive_avg_pool2d(grid, side).flatten(2).transpose(1, 2)
                 return pooled.reshape(batch, self.num_heads, self.num_proposals, -1)
 
-            valid = torch.ones(batch, self.num_proposals, dtype=torch.bool, device=q.device)
-            return self._transform(self.landmark_q, pool(q)), self._transform(self.landmark_k, pool(k)), valid
-        assign = segment_assignment(key_mask, batch, length, self.num_proposals, q.device).to(q.dtype)
-        counts = assign.sum(-1)
-        mean = assign / counts.clamp(min=1).unsqueeze(-1)
-        q_bar = torch.einsum("bcn,bhnd->bhcd", mean, self._transform(self.landmark_q, q))  # transform, then mean
-        k_bar = torch.einsum("bcn,bhnd->bhcd", mean, self._transform(self.landmark_k, k))
-        return q_bar, k_bar, counts > 0
+            return self._transform(self.landmark_q, pool(q)), self._transform(self.landmark_k, pool(k)), None
+        if key_mask is None and length >= self.num_proposals:
+            mean, valid = self._unpadded_segment_means(length, q.device, q.dtype), None  # every proposal exists
+        else:
+            assign = segment_assignment(key_mask, batch, length, self.num_proposals, q.device).to(q.dtype)
+            counts = assign.sum(-1)
+            mean, valid = assign / counts.clamp(min=1).unsqueeze(-1), counts > 0
+        if torch.is_grad_enabled() and self.landmark_q is not None:
+            # Recompute the per-token Linear+LayerNorm in the backward pass instead of storing [N, d] activations.
+            q_bar, k_bar = checkpoint(self._segment_landmarks, q, k, mean, use_reentrant=False)
+        else:
+            q_bar, k_bar = self._segment_landmarks(q, k, mean)
+        return q_bar, k_bar, valid
+
+    def _segment_landmarks(self, q, k, mean):
+        """Segment means of the transformed tokens (1-D order: Linear+LayerNorm on every token, then the mean)."""
+        equation = "cn,bhnd->bhcd" if mean.dim() == 2 else "bcn,bhnd->bhcd"
+        return (torch.einsum(equation, mean, self._transform(self.landmark_q, q)),
+                torch.einsum(equation, mean, self._transform(self.landmark_k, k)))
+
+    def _unpadded_segment_means(self, length, device, dtype):
+        key = (length, device, dtype)
+        if key not in self._segment_cache:  # the same for every unpadded batch of this length
+            assign = segment_assignment(None, 1, length, self.num_proposals, device)[0].to(dtype)
+            self._segment_cache = {key: assign / assign.sum(-1, keepdim=True)}
+        return self._segment_cache[key]
 
     def _proposal_means(self, q_bar_hat, k_bar_hat, valid):
         if self.proposal_mean == "q+k":
             return q_bar_hat + k_bar_hat
-        logits = (k_bar_hat @ k_bar_hat.transpose(-1, -2)).masked_fill(~valid[:, None, None, :], float("-inf"))
+        logits = k_bar_hat @ k_bar_hat.transpose(-1, -2)
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         return q_bar_hat + logits.softmax(-1) @ k_bar_hat
 
     def _draw(self, mu):
@@ -174,39 +196,50 @@ class LinearRandomizedAttention(ZooAttention):
         q_hat, k_hat, q_bar_hat = q * scale, k * scale, q_bar * scale
         mu = self._proposal_means(q_bar_hat, k_bar * scale, valid)
         per = self.samples_per_proposal
-        omega = self._draw(mu.repeat_interleave(per, dim=2))  # sample j comes from proposal j // per
-        sample_valid = valid.repeat_interleave(per, dim=1)
+        omega = self._draw(mu.repeat_interleave(per, dim=2) if per > 1 else mu)  # sample j: proposal j // per
         log_q = log_features_at(q_hat, omega)
         log_k = log_features_at(k_hat, omega)
         if key_mask is not None:
             log_k = log_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
         # G[j, c] = log q̃_c(ω_j): every proposal's density at every sample, relative to N(0, I).
-        log_density = log_features_at(mu, omega).transpose(-1, -2).masked_fill(~valid[:, None, None, :],
-                                                                               float("-inf"))
+        log_density = log_features_at(mu, omega).transpose(-1, -2)
+        if valid is not None:
+            log_density = log_density.masked_fill(~valid[:, None, None, :], float("-inf"))
         own = torch.arange(omega.shape[2], device=q.device) // per
-        log_proposal = log_density[..., torch.arange(omega.shape[2], device=q.device), own]  # [B, H, CS]
+        if per == 1:
+            log_proposal = torch.diagonal(log_density, dim1=-2, dim2=-1)  # [B, H, C]
+        else:
+            log_proposal = log_density[..., torch.arange(omega.shape[2], device=q.device), own]  # [B, H, CS]
         log_balance = log_proposal - torch.logsumexp(log_density, dim=-1)
         if self.weighting == "balance":
             log_alpha = log_balance.unsqueeze(2)
         else:
-            log_alpha = self._query_specific(q_hat, q_bar_hat, valid, key_mask, log_balance, own)
-        log_alpha = log_alpha.masked_fill(~sample_valid[:, None, None, :], float("-inf"))
-        # A proposal from an empty segment (fewer real tokens than proposals) has weight −inf already; a finite
-        # density keeps −inf − (−inf) = NaN out of its log-weight.
-        log_proposal = log_proposal.masked_fill(~sample_valid[:, None, :], 0.0)
+            log_alpha = self._query_specific(q_hat, q_bar_hat, valid, key_mask, log_balance, own, per)
+        if valid is not None:
+            sample_valid = valid.repeat_interleave(per, dim=1)
+            log_alpha = log_alpha.masked_fill(~sample_valid[:, None, None, :], float("-inf"))
+            # A proposal from an empty segment (fewer real tokens than proposals) has weight −inf already; a finite
+            # density keeps −inf − (−inf) = NaN out of its log-weight.
+            log_proposal = log_proposal.masked_fill(~sample_valid[:, None, :], 0.0)
         return log_q, log_k, v, log_alpha, log_proposal.unsqueeze(2)
 
-    def _query_specific(self, q_hat, q_bar_hat, valid, key_mask, log_balance, own):
+    def _query_specific(self, q_hat, q_bar_hat, valid, key_mask, log_balance, own, per):
         """Eq. 38: α_nc = β_c + λ (r_nc − mean_c r_nc), r = normalised query-landmark similarity."""
-        logits = (q_hat @ q_bar_hat.transpose(-1, -2)).masked_fill(~valid[:, None, None, :], float("-inf"))
+        logits = q_hat @ q_bar_hat.transpose(-1, -2)
+        if valid is not None:
+            logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         if self.r_normalize == "queries":  # the official code: softmax over the sequence axis
             if key_mask is not None:
                 logits = logits.masked_fill(~key_mask[:, None, :, None], float("-inf"))
-            r = torch.nan_to_num(logits.softmax(dim=2), nan=0.0)
+                r = torch.nan_to_num(logits.softmax(dim=2), nan=0.0)  # an empty proposal column
+            else:
+                r = logits.softmax(dim=2)
         else:
             r = logits.softmax(dim=-1)
-        count = valid.sum(-1).clamp(min=1)[:, None, None, None]
-        centred = (r - r.sum(-1, keepdim=True) / count)[..., own]
+        count = valid.sum(-1).clamp(min=1)[:, None, None, None] if valid is not None else r.shape[-1]
+        centred = r - r.sum(-1, keepdim=True) / count
+        if per > 1:
+            centred = centred[..., own]
         alpha = log_balance.exp().unsqueeze(2) + self.alpha_coeff * centred
         return alpha.clamp(min=ALPHA_FLOOR).log()
 
@@ -244,7 +277,8 @@ class LinearRandomizedAttention(ZooAttention):
         # Balance heuristic over the available proposals: a running log-sum-exp over p' ≤ j.
         running = torch.logcumsumexp(log_density, dim=-1)  # [B, H, P(sample), P(prefix end)]
         log_balance = own.unsqueeze(-2) - running.transpose(-1, -2)[:, :, query_chunk]  # [B, H, N, P]
-        alpha = log_balance.exp()
+        # Mask before exp: an unavailable proposal's value can overflow, and inf would turn its zero gradient NaN.
+        alpha = log_balance.masked_fill(~available, float("-inf")).exp()
         if self.weighting == "query_specific":
             logits = (q_hat @ q_bar.transpose(-1, -2)).masked_fill(~available, float("-inf"))
             r = logits.softmax(-1)
@@ -259,7 +293,7 @@ class LinearRandomizedAttention(ZooAttention):
         log_density = log_features_at(mu, omega).transpose(-1, -2).unsqueeze(2)  # [B, H, 1, P, P]
         log_density = log_density.masked_fill(~available[:, None, :, None, :], float("-inf"))
         own = torch.diagonal(log_features_at(mu, omega), dim1=-2, dim2=-1).unsqueeze(2)  # [B, H, 1, P]
-        alpha = (own - torch.logsumexp(log_density, dim=-1)).exp()
+        alpha = (own - torch.logsumexp(log_density, dim=-1)).masked_fill(~available[:, None], float("-inf")).exp()
         if self.weighting == "query_specific":
             logits = (q_hat @ q_bar.transpose(-1, -2)).masked_fill(~available[:, None], float("-inf"))
             count = available.sum(-1)[:, None, :, None]

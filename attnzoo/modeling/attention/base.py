@@ -69,6 +69,12 @@ class ZooAttention(nn.Module):
         self.head_dim = config.head_dim
         self.hidden_size = config.hidden_size
 
+    def build_projections(self) -> None:
+        """The usual separate q, k, v and output projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`)."""
+        bias = self.config.attention_bias
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, nn.Linear(self.hidden_size, self.hidden_size, bias=bias))
+
     @classmethod
     def check_config(cls, config) -> None:
         """Raise ValueError for config values this attention cannot use. Called by the config's validation."""

@@ -8,7 +8,6 @@ a `RecurrentStateLayer` holding (S, z, key constant): every new token costs the 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers import initialization as init
 
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
@@ -37,11 +36,7 @@ class KernelAttention(ZooAttention):
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.build_projections()
         self.chunk_size = config.linear_attention_chunk_size
 
     def log_features(self, x: torch.Tensor) -> torch.Tensor:

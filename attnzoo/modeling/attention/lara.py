@@ -76,11 +76,7 @@ class LinearRandomizedAttention(ZooAttention):
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.build_projections()
         self.num_proposals = config.lara_num_samples
         self.samples_per_proposal = config.lara_samples_per_proposal
         self.landmarks = config.lara_landmarks

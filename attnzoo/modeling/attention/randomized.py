@@ -12,7 +12,6 @@ Cost is quadratic, like softmax; decoding uses a KV cache.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
@@ -79,11 +78,7 @@ class RandomizedAttention(ZooAttention):
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.build_projections()
         self.variant = config.ra_variant
         self.num_samples = config.ra_num_samples
         self.noise_std = sample_noise_std(config.sample_noise_std, self.head_dim)

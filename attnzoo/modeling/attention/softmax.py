@@ -38,11 +38,7 @@ class SoftmaxAttention(ZooAttention):
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.build_projections()
         self.dropout = config.attention_probs_dropout_prob
 
     def new_cache_layer(self):

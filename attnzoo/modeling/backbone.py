@@ -3,7 +3,8 @@
 A block has an attention branch F (self-attention, then cross-attention for encoder-decoder decoders) and a
 feed-forward branch G. The standard stack computes x + F(x), then + G(.); the reversible stack keeps two streams,
 y1 = x1 + F(x2), y2 = x2 + G(y1) (seed 001 §3), starts both at the embeddings and ends with their mean, so the
-heads see `hidden_size` features either way.
+heads see `hidden_size` features either way, or, with `reversible_merge="concat"`, with both streams side by side
+(2 * hidden_size features, as trax's and transformers' Reformer do).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class ZooTransformer(nn.Module):
         super().__init__()
         self.causal = causal
         self.reversible = config.reversible
+        self.concat_streams = config.reversible and config.reversible_merge == "concat"
         #: the reversible stack's recomputing backward; tests switch it off to compare with plain autograd.
         self.use_reversible_backward = True
         self.positions = PositionEmbedding(config) if with_positions else None
@@ -116,7 +118,7 @@ class ZooTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             ZooBlock(config, i, kind, causal, cross_attention, rates[i]) for i, kind in enumerate(kinds)
         )
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_norm = nn.LayerNorm(config.stack_output_size, eps=config.layer_norm_eps)
 
     def new_cache_layers(self):
         return [block.attn.new_cache_layer() for block in self.blocks]
@@ -170,12 +172,18 @@ class ZooTransformer(nn.Module):
         cached = block_kwargs["past_key_values"] is not None
         if needs_grad and self.use_reversible_backward and all_hidden is None and not cached:
             params = [p for p in self.blocks.parameters() if p.requires_grad]
-            return ReversibleStackFunction.apply(self.blocks, block_kwargs, hidden, encoder_hidden_states, *params)
+            return ReversibleStackFunction.apply(self.blocks, block_kwargs, self.concat_streams, hidden,
+                                                 encoder_hidden_states, *params)
         # Plain autograd through the same two-stream computation (inference, hidden-state outputs, tests).
         x1 = x2 = hidden
+        if all_hidden is not None and self.concat_streams:
+            all_hidden[0] = self._merge(x1, x2)
         for block in self.blocks:
             x1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
             x2 = x2 + block.feed_forward_branch(x1)
             if all_hidden is not None:
-                all_hidden.append((x1 + x2) / 2)
-        return (x1 + x2) / 2
+                all_hidden.append(self._merge(x1, x2))
+        return self._merge(x1, x2)
+
+    def _merge(self, x1, x2):
+        return torch.cat([x1, x2], dim=-1) if self.concat_streams else (x1 + x2) / 2

@@ -38,14 +38,15 @@ def _restored_rng(state, device: torch.device):
 
 
 class ReversibleStackFunction(torch.autograd.Function):
-    """apply(blocks, block_kwargs, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x.
+    """apply(blocks, block_kwargs, concat, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x,
+    or [y1, y2] side by side when `concat`.
 
     `context` is the encoder output for decoders with cross-attention (or None); its gradient is accumulated over
     every block. `params` are all trainable parameters of `blocks`, in `blocks.parameters()` order.
     """
 
     @staticmethod
-    def forward(ctx, blocks, block_kwargs, x, context, *params):
+    def forward(ctx, blocks, block_kwargs, concat, x, context, *params):
         device_type = x.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), device_type)
         ctx.blocks, ctx.block_kwargs, ctx.device = blocks, block_kwargs, x.device
@@ -60,14 +61,18 @@ class ReversibleStackFunction(torch.autograd.Function):
             x1, x2 = y1, y2
         ctx.save_for_backward(x1, x2, context)
         ctx.param_index = {id(p): i for i, p in enumerate(params)}
-        return (x1 + x2) / 2
+        ctx.concat = concat
+        return torch.cat([x1, x2], dim=-1) if concat else (x1 + x2) / 2
 
     @staticmethod
     def backward(ctx, grad_out):
         y1, y2, context = ctx.saved_tensors
         enabled, dtype, device_type = ctx.autocast
         grads = [None] * len(ctx.param_index)
-        dy1 = dy2 = grad_out / 2
+        if ctx.concat:
+            dy1, dy2 = grad_out.chunk(2, dim=-1)
+        else:
+            dy1 = dy2 = grad_out / 2
         context_grad = None
         context_in = None if context is None else context.detach().requires_grad_(context.requires_grad)
 
@@ -109,4 +114,4 @@ class ReversibleStackFunction(torch.autograd.Function):
             y1, y2, dy2 = x1, x2, dx2  # dy1 is already dx1
 
         ctx.records = None
-        return (None, None, dy1 + dy2, context_grad, *grads)
+        return (None, None, None, dy1 + dy2, context_grad, *grads)

@@ -1,10 +1,14 @@
 """Attention modules by name. Importing a module file registers it (see `base.py` for the contract)."""
 
 from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
+from attnzoo.modeling.attention.local import LocalAttention
+from attnzoo.modeling.attention.lsh import LSHAttention
 from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
 
 __all__ = [
     "ATTENTION_REGISTRY",
+    "LSHAttention",
+    "LocalAttention",
     "SoftmaxAttention",
     "SoftmaxCrossAttention",
     "ZooAttention",

@@ -25,11 +25,14 @@ class ZooReformerConfig(ZooConfig):
         lsh_hash_seed: seed of the hash rotations; `None` draws them from the global RNG (new ones every forward).
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
             hashing (`None`: lsh_chunk_length).
-        lsh_window: which keys a query sees in each round. "chunk": every key in its sorted chunk and the
-            neighbouring chunks (the paper's batching, as in trax and transformers). "bucket": only keys of its own
-            bucket among the `lsh_num_chunks_before * lsh_chunk_length` preceding (and `..._after * ...` following)
-            positions of the sorted order (eq. 16 with a bounded window); this is exactly what cached decoding
-            computes, so cached generation then equals the full forward.
+        lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (eq.
+            16), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
+            `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with
+            the query instead of the chunk grid. A causal query's keys then depend on earlier tokens only, and
+            cached decoding computes exactly the same attention. "chunk": every key of its sorted chunk and of the
+            neighbouring chunks, across buckets (trax's and transformers' choice); there a causal query's window
+            also depends on how many later tokens hash to lower buckets (no later value is attended, but outputs
+            are not strictly causal), and decoding sees only the same-bucket part of it.
         lsh_duplicate_correction: subtract log(number of rounds a key is attended in) so multi-round attention is
             a softmax over the union of the rounds' keys (Appendix A, eq. 13-16).
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
@@ -62,7 +65,7 @@ class ZooReformerConfig(ZooConfig):
     lsh_num_hashes_eval: int | None = None
     lsh_hash_seed: int | None = None
     lsh_full_attention_threshold: int | None = None
-    lsh_window: str = "chunk"
+    lsh_window: str = "bucket"
     lsh_duplicate_correction: bool = True
     lsh_attention_probs_dropout_prob: float | None = None
 

@@ -5,9 +5,12 @@ per round and per (example, head); queries and keys are shared (k = q / |q|), so
 Positions are sorted by (bucket, position), the sorted sequence is cut into chunks of `lsh_chunk_length`, and each
 chunk attends to itself and `lsh_num_chunks_before` (causal) or also `lsh_num_chunks_after` (bidirectional) of its
 neighbours in that round, through `chunked.windowed_attention`. Within that window:
-- `lsh_window="chunk"`: every key is a candidate (the paper's P~, as in trax and transformers);
-- `lsh_window="bucket"`: only keys of the query's own bucket within `before * chunk_length` sorted positions before
-  it (and `after * chunk_length` after it): eq. 16's "same bucket" restricted to a sliding window.
+- `lsh_window="bucket"` (default): only keys of the query's own bucket (eq. 16) within `before * chunk_length`
+  sorted positions before it (and `after * chunk_length` after it). The window slides with the query, so a causal
+  query's keys depend on earlier tokens only (strictly causal) and decoding computes the same thing;
+- `lsh_window="chunk"`: every key of the window is a candidate (the paper's P~, as in trax and transformers).
+  Which earlier keys share a causal query's chunk then also depends on how later tokens hash, so a later token can
+  change an earlier output (without any later value being attended).
 Causal layers mask keys after the query (by original position); padded keys are never attended (they are hashed
 to an extra bucket that sorts last); a token's own key gets the large finite penalty -1e5, so it is used only when
 nothing else is allowed. Rounds are combined through their log-sum-exps (eq. 14), and with

@@ -48,29 +48,40 @@ def lm_config(**overrides):
 
 
 # -- the chunked kernel ---------------------------------------------------------------------------------------
-def test_windowed_attention_backward_equals_autograd_of_the_same_math():
+@pytest.mark.parametrize("save_probs", [False, True])
+def test_windowed_attention_backward_equals_autograd_of_the_same_math(save_probs):
     torch.manual_seed(0)
     n, chunks, m, d = 2, 3, 4, 5
     q, k, v = (torch.randn(n, chunks, m, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    positions = torch.randperm(chunks * m).view(1, chunks, m).expand(n, -1, -1)
-    locations = torch.randint(0, 4, (n, chunks, m, 2))
-    mask = WindowMask(positions, torch.rand(n, chunks, m) > 0.2, before=1, after=1, causal=True, self_penalty=True,
-                      band_locations=locations[..., 0], band=(-2, 2), count_locations=locations, count_band=(-1, 1))
+    positions = torch.arange(chunks * m).view(1, chunks, m).expand(n, -1, -1)
+    valid = torch.rand(n, chunks, m) > 0.2
+    valid[0, 0] = False  # a chunk whose queries see nothing (padding): finite, no gradient
+    mask = WindowMask(positions, valid, before=1, after=1, causal=True, self_penalty=True,
+                      groups=torch.randint(0, 2, (n, chunks, m)), group_band=(-5, 2),
+                      count_locations=torch.randint(0, 4, (n, chunks, m, 3)), count_band=(-1, 1))
 
     def plain(q, k, v):
-        scores = q @ windows(k, 1, 1, 0, 1).transpose(-1, -2) * 0.5
-        allowed, is_self, log_count = mask.build(scores.dtype)
-        scores = (scores - log_count).masked_fill(~allowed, -1e9).masked_fill(is_self, -1e5)
-        lse = scores.logsumexp(-1)
-        return (scores - lse[..., None]).exp() @ windows(v, 1, 1, 0, 1), lse
+        scores = mask.apply_(q @ windows(k, 1, 1, 0, 1).transpose(-1, -2) * 0.5)
+        lse = scores.logsumexp(-1).clamp(min=-1e9)
+        probs = (scores - lse[..., None]).exp()
+        # rows left with only their own (penalised, constant) key carry no gradient to it
+        only_self = (lse <= -5e4)[..., None]
+        probs = torch.where(only_self, probs.detach(), probs)
+        return probs @ windows(v, 1, 1, 0, 1), lse
 
-    fast, slow = windowed_attention(q, k, v, mask, 0.5), plain(q, k, v)
+    fast, slow = windowed_attention(q, k, v, mask, 0.5, 0.0, save_probs), plain(q, k, v)
+    assert torch.isfinite(fast[0]).all() and torch.isfinite(fast[1]).all()
     weights = [torch.randn_like(t) for t in fast]
     grads = [torch.autograd.grad(sum((t * w).sum() for t, w in zip(out, weights, strict=True)), (q, k, v))
              for out in (fast, slow)]
     for a, b in zip(fast + grads[0], slow + grads[1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda q, k, v: windowed_attention(q, k, v, mask, 0.5), (q, k, v))
+
+    def with_dropout(q, k, v):
+        torch.manual_seed(5)  # the same dropout mask on every call
+        return windowed_attention(q, k, v, mask, 0.5, 0.3, save_probs)
+
+    assert torch.autograd.gradcheck(with_dropout, (q, k, v))
 
 
 # -- hashing ----------------------------------------------------------------------------------------------------
@@ -455,3 +466,37 @@ def test_bf16_hashing_forward_is_finite():
     out = model(ids, labels=ids)
     out.loss.backward()
     assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("kind", ["lsh full", "lsh chunked", "local"])
+def test_batch_of_one_equals_reference(kind):
+    # A batch of one gives views with unusual strides after the head split; the kernel must not assume contiguity.
+    torch.manual_seed(2)
+    threshold = 32 if kind == "lsh full" else 0
+    cls = LocalAttention if kind == "local" else LSHAttention
+    attn = cls(config(lsh_full_attention_threshold=threshold, lsh_num_hashes=2), 0, causal=False).double()
+    x = torch.randn(1, 11, HIDDEN, dtype=torch.float64)
+    replay = {}
+    torch.testing.assert_close(attn(x, replay=replay), attn.reference_forward(x, replay=replay), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_reversible_backward_with_chunked_feed_forward_equals_plain_autograd():
+    # The reversible backward recomputes and backpropagates a chunked feed-forward one chunk at a time; dropout and
+    # drop-path masks must repeat exactly.
+    torch.manual_seed(0)
+    config = lm_config(reversible=True, hidden_dropout_prob=0.2, drop_path_rate=0.3, chunk_size_feed_forward=4,
+                       num_hidden_layers=3, lsh_hash_seed=None)
+    model = ZooReformerForCausalLM(config).double().train()
+    ids = torch.randint(2, 37, (2, 14))
+    results = []
+    for use_reversible_backward in (True, False):
+        model.model.transformer.use_reversible_backward = use_reversible_backward
+        model.zero_grad()
+        torch.manual_seed(7)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
+    for name in results[1][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)

@@ -84,15 +84,26 @@ class ReversibleStackFunction(torch.autograd.Function):
 
         for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
             g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
-            with torch.enable_grad(), _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
-                y1_in = y1.detach().requires_grad_()
-                g_out = block.feed_forward_branch(y1_in)
-            g_grads = torch.autograd.grad(g_out, [y1_in, *g_params], dy2, allow_unused=True)
-            dy1 = dy1 + g_grads[0]
-            accumulate(g_params, g_grads[1:])
+            if block.chunked_feed_forward(y1):
+                # Recompute and backpropagate G one chunk at a time: the backward never holds the whole
+                # [length, intermediate_size] activations either.
+                with _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
+                    g_out, g_dy1, g_param_grads = block.feed_forward_recompute_backward(y1, dy2, g_params)
+                dy1 = dy1 + g_dy1
+                accumulate(g_params, g_param_grads)
+                del g_dy1
+            else:
+                with torch.enable_grad(), _restored_rng(rng_g, ctx.device), \
+                        torch.autocast(device_type, dtype, enabled):
+                    y1_in = y1.detach().requires_grad_()
+                    g_out = block.feed_forward_branch(y1_in)
+                g_grads = torch.autograd.grad(g_out, [y1_in, *g_params], dy2, allow_unused=True)
+                dy1 = dy1 + g_grads[0]
+                accumulate(g_params, g_grads[1:])
+                del y1_in
             with torch.no_grad():
                 x2 = y2 - g_out
-            del g_out, y1_in
+            del g_out
 
             f_params = [p for p in block.attention_parameters() if p.requires_grad]
             with torch.enable_grad(), _restored_rng(rng_f, ctx.device), torch.autocast(device_type, dtype, enabled):

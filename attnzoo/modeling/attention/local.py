@@ -94,12 +94,13 @@ class LocalAttention(ZooAttention):
         if past > 0:
             out = cache.decode(self, q, k, v, key_mask)
         else:
-            out = self._attend(q, k, v, key_mask)
+            # Inside a reversible recomputation (`replay` given) the backward follows at once: keep the probabilities.
+            out = self._attend(q, k, v, key_mask, save_probs=replay is not None)
             if cache is not None:
                 cache.prefill(self, k, v, key_mask)
         return self.output(self.merge_heads(out))
 
-    def _attend(self, q, k, v, key_mask):
+    def _attend(self, q, k, v, key_mask, save_probs=False):
         batch, heads, length, dim = q.shape
         valid = key_mask
         shift = None
@@ -125,7 +126,7 @@ class LocalAttention(ZooAttention):
                           valid=valid.repeat_interleave(heads, dim=0).view(batch * heads, chunks, m),
                           before=before, after=after, causal=self.causal)
         out, _ = windowed_attention(*(x.reshape(batch * heads, chunks, m, dim) for x in (q, k, v)), mask,
-                                    self.scale, self.dropout_rate)
+                                    self.scale, self.dropout_rate, save_probs)
         out = out.view(batch, heads, padded, dim)[:, :, :length]
         if shift is not None:
             unshift = shift.argsort(dim=-1)

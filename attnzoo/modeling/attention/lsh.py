@@ -229,8 +229,10 @@ class LSHAttention(ZooAttention):
         """Attention over a whole sequence (no cached prefix); fills `cache` (prefill) when given."""
         batch, _, length, _ = qk.shape
         full = length <= self.full_attention_threshold
+        # Inside a reversible recomputation (`replay` given) the backward follows at once: keep the probabilities.
+        save_probs = replay is not None
         if full and cache is None:
-            return self.full_attention(qk, v, key_mask)
+            return self.full_attention(qk, v, key_mask, save_probs)
         padded = qk.shape[2] + (-length) % self.chunk_length
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=qk.device)
         valid = pad_to_multiple(valid, self.chunk_length, dim=1, value=False)
@@ -252,11 +254,11 @@ class LSHAttention(ZooAttention):
             if cache is not None:
                 cache.prefill(self, qk, v, buckets[..., :length], rotations, factors, valid[:, :length])
         if full:
-            return self.full_attention(qk, v, key_mask)
-        out = self.lsh_attention(qk_padded, v_padded, buckets, order, math.prod(factors))
+            return self.full_attention(qk, v, key_mask, save_probs)
+        out = self.lsh_attention(qk_padded, v_padded, buckets, order, math.prod(factors), save_probs)
         return out[:, :, :length]
 
-    def full_attention(self, qk, v, key_mask):
+    def full_attention(self, qk, v, key_mask, save_probs=False):
         """Shared-QK attention over the whole sequence: one chunk, the same masks, no hashing."""
         batch, heads, length, dim = qk.shape
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=qk.device)
@@ -265,10 +267,10 @@ class LSHAttention(ZooAttention):
                           after=0, causal=self.causal, self_penalty=True)
         q = qk.reshape(batch * heads, 1, length, dim)
         out, _ = windowed_attention(q, normalize_keys(q), v.reshape(batch * heads, 1, length, dim), mask, 1.0,
-                                    self.dropout_rate)
+                                    self.dropout_rate, save_probs)
         return out.view(batch, heads, length, dim)
 
-    def lsh_attention(self, qk, v, buckets, order, num_buckets):
+    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False):
         """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
         [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order."""
         batch, heads, padded, dim = qk.shape
@@ -284,13 +286,7 @@ class LSHAttention(ZooAttention):
         def chunked(x):
             return x.reshape(batch * heads * rounds, chunks, m, *x.shape[4:])
 
-        band_locations, band = None, (0, 0)
-        if self.window == "bucket":
-            # Same bucket and at most `before * m` slots back / `after * m` ahead: buckets are spread 2 * Lp apart
-            # on one number line, so the band test also rejects every other bucket.
-            slot_index = torch.arange(padded, device=qk.device)
-            band_locations = chunked(sorted_buckets * (2 * padded) + slot_index)
-            band = (-before * m, after * m)
+        groups = chunked(sorted_buckets) if self.window == "bucket" else None
         count_locations, count_band = None, (0, 0)
         if self.duplicate_correction and rounds > 1:
             # Where every position sits in every round, read in each round's sorted order: [B, H, R, Lp, R'].
@@ -302,9 +298,11 @@ class LSHAttention(ZooAttention):
             index = order.reshape(batch, heads, rounds * padded, 1).expand(-1, -1, -1, rounds)
             count_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
         mask = WindowMask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
-                          after=after, causal=self.causal, self_penalty=True, band_locations=band_locations,
-                          band=band, count_locations=count_locations, count_band=count_band)
-        out, lse = windowed_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate)
+                          after=after, causal=self.causal, self_penalty=True, groups=groups,
+                          group_band=(-before * m, after * m), count_locations=count_locations,
+                          count_band=count_band)
+        out, lse = windowed_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
+                                      save_probs)
         # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (eq. 14).
         flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(
             batch, heads, rounds * padded)

@@ -6,11 +6,14 @@
 
 Models (same sizes for all): 6 layers, hidden 256, 4 heads of 64, feed-forward 1024 (ReLU), alternating local/LSH
 layers, 2 hash rounds, chunks of 64 for both attentions, one chunk of look-back, axial positions (dims 64 + 192,
-shape (L / a, a) so transformers can train at length L), vocabulary 256, batch 1, every dropout 0, no feed-forward
-chunking; the bucket count is each library's default (2 * L / chunk, factorised when large). Ours runs its
-defaults otherwise (`lsh_window="bucket"`, duplicate correction), so it does a little more masking work than
-transformers' Reformer. A GPT-2-size softmax model with SDPA (`ZooSoftmaxForCausalLM`, same sizes, learned
-positions) is the third peer: for generation, and for training up to `--softmax-max-length`.
+shape (L / a, a) so transformers can train at length L), vocabulary 256, batch 1, every dropout 0, feed-forward in
+chunks of 2048 positions (transformers needs the length to be a multiple, hence min(2048, L)); the bucket count is
+each library's default (2 * L / chunk, factorised when large). Ours runs its defaults otherwise
+(`lsh_window="bucket"`, duplicate correction), so it does a little more masking work than transformers' Reformer.
+Where the two differ by design: our reversible backward recomputes the chunked feed-forward one chunk at a time
+(transformers recomputes all chunks before backpropagating), our windowed attention keeps only what its backward
+needs, and its decoding cache is bounded per token. A GPT-2-size softmax model with SDPA (`ZooSoftmaxForCausalLM`,
+same sizes, learned positions) is the third peer: for generation, and for training up to `--softmax-max-length`.
 
 Measures
 - train: one forward + backward of the LM loss (labels = inputs). Time: the median of `--repeats` steps after a
@@ -48,6 +51,7 @@ RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("attnzoo", "transformers", "softmax")
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, CHUNK, HASHES = 256, 256, 4, 6, 1024, 64, 2
+FFN_CHUNK = 2048  # feed-forward chunk length (seed 001 §3), the same for both Reformers
 
 
 def axial_shape(length: int) -> tuple[int, int]:
@@ -72,6 +76,7 @@ def build(impl: str, length: int, device, num_buckets=None):
             axial_pos_shape=axial_shape(length), axial_pos_embds_dim=(64, HIDDEN - 64),
             max_position_embeddings=length, is_decoder=True, lsh_attn_chunk_length=CHUNK,
             local_attn_chunk_length=CHUNK, num_hashes=HASHES, num_buckets=num_buckets, hidden_dropout_prob=0.0,
+            chunk_size_feed_forward=min(FFN_CHUNK, length),
             local_attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0, pad_token_id=0,
             eos_token_id=None)
         model = ReformerModelWithLMHead(config)
@@ -82,7 +87,8 @@ def build(impl: str, length: int, device, num_buckets=None):
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
             intermediate_size=FFN, hidden_act="relu", attn_layers=["local", "lsh"], position_embedding_type="axial",
             axial_pos_shape=list(axial_shape(length)), axial_pos_embds_dim=[64, HIDDEN - 64],
-            max_position_embeddings=length, is_decoder=True, reversible=True, chunk_size_feed_forward=0,
+            max_position_embeddings=length, is_decoder=True, reversible=True,
+            chunk_size_feed_forward=min(FFN_CHUNK, length),
             lsh_chunk_length=CHUNK, local_chunk_length=CHUNK, lsh_num_hashes=HASHES, lsh_num_buckets=num_buckets,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, pad_token_id=0, eos_token_id=None)

@@ -500,3 +500,19 @@ def test_reversible_backward_with_chunked_feed_forward_equals_plain_autograd():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
     for name in results[1][1]:
         torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)
+
+
+def test_cache_batch_utilities_keep_decoding_exact():
+    # batch_repeat_interleave / batch_select_indices / reorder_cache act on every per-sequence tensor of both cache
+    # layer kinds (keys, ring buffers, rotations, bucket lists), so the decoded logits stay those of a full forward.
+    model = decoding_model()
+    ids = torch.randint(2, 37, (2, 20))
+    full = model(ids, use_cache=False).logits
+    cache = model(ids[:, :12], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+    cache.reorder_cache(torch.tensor([3, 2, 1, 0]))  # rows 1, 1, 0, 0
+    cache.batch_select_indices(torch.tensor([0, 2]))  # rows 1, 0
+    logits = model(ids[[1, 0], 12:], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(logits, full[[1, 0], 12:], rtol=1e-9, atol=1e-10)
+    cache.reset()
+    assert cache.get_seq_length() == 0

@@ -314,13 +314,15 @@ def main():
             result = run_worker(["generate", impl, args.device, str(args.prompt), str(args.new_tokens)] + common)
             print(json.dumps(result), flush=True)
             generation.append(result)
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    threads = args.threads or torch.get_num_threads()
+    device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
+                   else f"{platform.machine()}, {threads} of {os.cpu_count()} threads")
     report = {
         "settings": {"lengths": args.lengths, "repeats": args.repeats, "prompt": args.prompt,
                      "new_tokens": args.new_tokens, "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS,
                      "ffn": FFN, "chunk": CHUNK, "hashes": HASHES, "vocab": VOCAB, "batch": 1},
         "environment": {"device": f"{args.device} ({device_name})", "torch": torch.__version__,
-                        "transformers": transformers.__version__, "threads": args.threads or torch.get_num_threads(),
+                        "transformers": transformers.__version__, "threads": threads,
                         "python": platform.python_version()},
         "train": train,
         "generation": generation,

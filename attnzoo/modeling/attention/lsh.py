@@ -32,7 +32,10 @@ computes for the last token of a causal sequence, so with that window, fixed rot
 fixed bucket count (`lsh_num_buckets`) cached decoding equals the full forward. With `lsh_window="chunk"` the
 forward's window also holds the neighbouring buckets' keys that share the chunk, which decoding leaves out.
 While the context is at most `lsh_full_attention_threshold` tokens, decoding attends to every cached key, as the
-forward does at that length.
+forward does at that length (so a model whose prompt was shorter than the threshold and whose generation crosses it
+decodes the first tokens beyond it against caches built with full attention, which a fresh forward would not do).
+A step of several new tokens over a cache (assisted decoding) runs them one after the other, since each must see the
+ones before it in its bucket lists.
 """
 
 from __future__ import annotations

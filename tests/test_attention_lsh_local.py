@@ -516,3 +516,23 @@ def test_cache_batch_utilities_keep_decoding_exact():
     torch.testing.assert_close(logits, full[[1, 0], 12:], rtol=1e-9, atol=1e-10)
     cache.reset()
     assert cache.get_seq_length() == 0
+
+
+def test_causal_threshold_is_per_position_in_fast_path_reference_and_decoding():
+    # Causal layers give the first `lsh_full_attention_threshold` positions full attention at any length, so
+    # decoding that starts below the threshold and grows past it stays equal to the full forward.
+    torch.manual_seed(4)
+    attn = LSHAttention(config(lsh_full_attention_threshold=5, lsh_num_hashes=2), 0, causal=True).double()
+    x = torch.randn(2, 13, HIDDEN, dtype=torch.float64)
+    replay = {}
+    torch.testing.assert_close(attn(x, replay=replay), attn.reference_forward(x, replay=replay), rtol=1e-10,
+                               atol=1e-12)
+    model = decoding_model(lsh_full_attention_threshold=5)
+    ids = torch.randint(2, 37, (2, 16))
+    full = model(ids, use_cache=False).logits
+    out = model(ids[:, :2], use_cache=True)
+    steps = [out.logits]
+    for t in range(2, 16):
+        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)

@@ -24,7 +24,8 @@ class ZooReformerConfig(ZooConfig):
         lsh_num_hashes / lsh_num_hashes_eval: hash rounds in training / evaluation (`None`: same as training).
         lsh_hash_seed: seed of the hash rotations; `None` draws them from the global RNG (new ones every forward).
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
-            hashing (`None`: lsh_chunk_length).
+            hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
+            attend fully (to at most this many keys), so a position's attention does not depend on the length.
         lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (eq.
             16), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
             `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with

@@ -18,6 +18,9 @@ nothing else is allowed. Rounds are combined through their log-sum-exps (eq. 14)
 query) (eq. 13-16), so the result is exactly a softmax over the union of the rounds' candidate sets.
 
 Sequences of at most `lsh_full_attention_threshold` tokens get full shared-QK attention (same masks, no hashing).
+In causal layers the rule is per position: the first `lsh_full_attention_threshold` positions of any sequence get
+full causal attention (they have at most that many keys anyway), later ones LSH; so what a position computes never
+depends on how long the sequence is, which keeps cached decoding exact.
 Lengths that are not a multiple of the chunk length are padded inside the module and stripped again.
 
 Reversible stacks: the first call stores the buckets and the sort order in `replay`; the backward recomputation
@@ -32,10 +35,8 @@ computes for the last token of a causal sequence, so with that window, fixed rot
 fixed bucket count (`lsh_num_buckets`) cached decoding equals the full forward. With `lsh_window="chunk"` the
 forward's window also holds the neighbouring buckets' keys that share the chunk, which decoding leaves out.
 While the context is at most `lsh_full_attention_threshold` tokens, decoding attends to every cached key, as the
-forward does at that length (so a model whose prompt was shorter than the threshold and whose generation crosses it
-decodes the first tokens beyond it against caches built with full attention, which a fresh forward would not do).
-A step of several new tokens over a cache (assisted decoding) runs them one after the other, since each must see the
-ones before it in its bucket lists.
+forward does at those positions. A step of several new tokens over a cache (assisted decoding) runs them one after
+the other, since each must see the ones before it in its bucket lists.
 """
 
 from __future__ import annotations
@@ -258,8 +259,14 @@ class LSHAttention(ZooAttention):
                 cache.prefill(self, qk, v, buckets[..., :length], rotations, factors, valid[:, :length])
         if full:
             return self.full_attention(qk, v, key_mask, save_probs)
-        out = self.lsh_attention(qk_padded, v_padded, buckets, order, math.prod(factors), save_probs)
-        return out[:, :, :length]
+        out = self.lsh_attention(qk_padded, v_padded, buckets, order, math.prod(factors), save_probs)[:, :, :length]
+        threshold = self.full_attention_threshold
+        if self.causal and threshold > 0:
+            # Causal layers: the first `threshold` positions attend fully (to at most `threshold` keys).
+            head = self.full_attention(qk[:, :, :threshold], v[:, :, :threshold],
+                                       None if key_mask is None else key_mask[:, :threshold], save_probs)
+            out = torch.cat([head, out[:, :, threshold:]], dim=2)
+        return out
 
     def full_attention(self, qk, v, key_mask, save_probs=False):
         """Shared-QK attention over the whole sequence: one chunk, the same masks, no hashing."""
@@ -336,9 +343,10 @@ class LSHAttention(ZooAttention):
             allowed = allowed & (positions[None, :] <= positions[:, None])
         is_self = positions[None, :] == positions[:, None]
         masked_value, self_value = mask_values(scores.dtype)
+        full_scores = scores.masked_fill(~allowed, masked_value).masked_fill(is_self, self_value)
+        full_out = full_scores.softmax(-1) @ v
         if length <= self.full_attention_threshold:
-            scores = scores.masked_fill(~allowed, masked_value).masked_fill(is_self, self_value)
-            return self.output(self.merge_heads(scores.softmax(-1) @ v))
+            return self.output(self.merge_heads(full_out))
 
         padded = length + (-length) % self.chunk_length
         factors = self.bucket_factors(padded)
@@ -371,6 +379,8 @@ class LSHAttention(ZooAttention):
         lse = scores_r.logsumexp(-1)  # [B, H, R, L]
         out_r = (scores_r - lse[..., None]).exp() @ v[:, :, None]
         out = (out_r * lse.softmax(dim=2)[..., None]).sum(dim=2)
+        if self.causal:  # the first `full_attention_threshold` positions attend fully
+            out = torch.where((positions < self.full_attention_threshold)[:, None], full_out, out)
         return self.output(self.merge_heads(out))
 
     def new_cache_layer(self):
@@ -470,19 +480,19 @@ class LSHCacheLayer(CacheLayerMixin):
         t = self.length
         buckets = hash_buckets(qk, self.rotations, self.factors)  # [B, H, R, 1]
         buckets = buckets.masked_fill(~valid[:, None, None, :], self.num_buckets)
+        # Every token joins its buckets' recent lists, also while attention is still full, for the later tokens.
+        rounds, k = buckets.shape[2], self.recent_size
+        bucket_rows = buckets[..., None].expand(batch, heads, rounds, 1, k)
+        previous = self.recent.gather(3, bucket_rows)  # [B, H, R, 1, K], before this token is added
+        self.recent.scatter_(3, bucket_rows, torch.cat(
+            [previous[..., 1:], previous.new_full((batch, heads, rounds, 1, 1), t)], dim=-1))
+        self._append(qk, v, buckets, valid)
         if t + 1 <= attn.full_attention_threshold:
-            self._append(qk, v, buckets, valid)
             keys, values = self.keys, self.values
             index = torch.arange(t + 1, device=qk.device).expand(batch, heads, t + 1)
             present = self._valid_buffer[:, None, :t + 1].expand(batch, heads, t + 1)
             counts = None
         else:
-            rounds, k = buckets.shape[2], self.recent_size
-            bucket_rows = buckets[..., None].expand(batch, heads, rounds, 1, k)
-            previous = self.recent.gather(3, bucket_rows)  # [B, H, R, 1, K], before this token is added
-            self.recent.scatter_(3, bucket_rows, torch.cat(
-                [previous[..., 1:], previous.new_full((batch, heads, rounds, 1, 1), t)], dim=-1))
-            self._append(qk, v, buckets, valid)
             candidates = torch.cat([previous[:, :, :, 0], previous.new_full((batch, heads, rounds, 1), t)], dim=-1)
             index = candidates.reshape(batch, heads, -1)  # [B, H, R * (K + 1)]
             present = index >= 0

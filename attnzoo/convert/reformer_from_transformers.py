@@ -22,6 +22,9 @@ transformers draws one rotation per head for the whole batch from the global RNG
 round look back at the last chunk of the previous round (wrapping around); we draw per (example, head) and do not
 wrap (seed 001, eq. 11).
 
+Dropout sits in slightly different places (transformers also drops inside the feed-forward, on the word embeddings
+before the positions are added and after the final LayerNorm), which matters only when fine-tuning with dropout.
+
 transformers 5.x never adds `lm_head.bias` (a probable regression: v4 tied it to the decoder); the converted model
 reproduces 5.x and warns when that bias is not zero.
 """

@@ -85,3 +85,32 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
     cache = out.past_key_values
     assert isinstance(cache, ZooCache) and cache.get_seq_length() == 8
     assert [type(layer) for layer in cache.layers] == [LocalCacheLayer, LSHCacheLayer]
+
+
+@pytest.mark.parametrize("head", ["ForCausalLM", "ForMaskedLM", "ForSequenceClassification",
+                                  "ForImageClassification", "ForConditionalGeneration"])
+def test_concatenated_streams_work_with_every_head_and_the_reversible_backward(head):
+    # reversible_merge="concat" (transformers' Reformer layout): heads read 2 * hidden_size features; the reversible
+    # backward splits the incoming gradient between the streams instead of halving it.
+    suite = TestReformerFamily()
+    torch.manual_seed(0)
+    config = suite.make_config(reversible_merge="concat", tie_word_embeddings=False, hidden_dropout_prob=0.1)
+    model = suite.model_class(head)(config).double().train()
+    inputs = suite.inputs_for(head)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].double()
+    labels = suite.labels_for(head, inputs, config)
+    results = []
+    for use_reversible_backward in (True, False):
+        for module in model.modules():
+            if hasattr(module, "use_reversible_backward"):
+                module.use_reversible_backward = use_reversible_backward
+        model.zero_grad()
+        torch.manual_seed(5)
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
+    assert results[0][1].keys() == results[1][1].keys()
+    for name in results[1][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)

@@ -36,16 +36,14 @@ def mask_values(dtype: torch.dtype) -> tuple[float, float]:
     return MASK_VALUES.get(dtype, DEFAULT_MASK_VALUES)
 
 
-def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0,
-            transposed: bool = False) -> torch.Tensor:
+def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0) -> torch.Tensor:
     """[..., C, m, *rest] chunks (`rest_dims` trailing feature dims) -> [..., C, (before + 1 + after) * m, *rest]:
     each chunk's neighbourhood, from `before` chunks back to `after` ahead, with `fill` beyond the ends (no
-    wrap-around, eq. 11). `transposed`: x is [..., C, d, m] and the windows [..., C, d, W] (keys laid out for a
-    contiguous q @ k^T)."""
+    wrap-around, eq. 11). Used for the per-position mask inputs; keys and values use `_flat_windows` views."""
     if before == 0 and after == 0:
         return x
-    chunk_dim = x.dim() - 3 if transposed else x.dim() - 2 - rest_dims
-    item_dim = x.dim() - 1 if transposed else chunk_dim + 1
+    chunk_dim = x.dim() - 2 - rest_dims
+    item_dim = chunk_dim + 1
     num_chunks, m = x.shape[chunk_dim], x.shape[item_dim]
     shape = list(x.shape)
     shape[item_dim] = (before + 1 + after) * m
@@ -91,8 +89,8 @@ class WindowMask:
     count_locations: torch.Tensor | None = None
     count_band: tuple[int, int] = (0, 0)
 
-    def window(self, x: torch.Tensor, fill, rest_dims: int = 0, transposed: bool = False) -> torch.Tensor:
-        return windows(x, self.before, self.after, fill, rest_dims, transposed)
+    def window(self, x: torch.Tensor, fill, rest_dims: int = 0) -> torch.Tensor:
+        return windows(x, self.before, self.after, fill, rest_dims)
 
     @property
     def chunk_length(self) -> int:

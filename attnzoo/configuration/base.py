@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig
 
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
 POOLING_TYPES = ("mean", "cls", "last")
+REVERSIBLE_MERGES = ("mean", "concat")
 HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "tanh")
 
 
@@ -47,6 +48,9 @@ class ZooConfig(PreTrainedConfig):
         num_decoder_layers / decoder_attn_layers: the decoder of an encoder-decoder model (default: same depth,
             exact softmax self-attention; seed 002 §5.4 uses efficient attention only in the encoder).
         reversible: reversible residual stack (seed 001 §3): activations are recomputed in the backward pass.
+        reversible_merge: how the reversible stack's two streams become the output: "mean" (width hidden_size) or
+            "concat" (width 2 * hidden_size, the final LayerNorm and the heads read both streams side by side, as in
+            trax's and transformers' Reformer; needs `tie_word_embeddings=False`). See `stack_output_size`.
         chunk_size_feed_forward: process the feed-forward in sequence chunks of this size (0 = one chunk).
         loss_chunk_size: compute the LM head and loss in sequence chunks of this size, recomputing the logits in the
             backward pass, so [batch, length, vocab] logits are never held (0 = off).
@@ -81,6 +85,7 @@ class ZooConfig(PreTrainedConfig):
     decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)
 
     reversible: bool = False
+    reversible_merge: str = "mean"
     loss_chunk_size: int = 0
 
     position_embedding_type: str = "learned"
@@ -143,6 +148,15 @@ class ZooConfig(PreTrainedConfig):
         self._check_attention_names("attn_layers", self.attn_layers)
         if self.is_encoder_decoder:
             self._check_attention_names("decoder_attn_layers", self.decoder_attn_layers)
+        if self.reversible_merge not in REVERSIBLE_MERGES:
+            _fail("reversible_merge", self.reversible_merge, f"use one of {REVERSIBLE_MERGES}.")
+        if self.reversible_merge == "concat" and not self.reversible:
+            _fail("reversible_merge", self.reversible_merge, "two streams exist only with reversible=True; set "
+                                                             "reversible=True or reversible_merge='mean'.")
+        if self.reversible_merge == "concat" and self.tie_word_embeddings:
+            _fail("reversible_merge", self.reversible_merge, "the heads then read 2 * hidden_size features and "
+                                                             "cannot share the input embedding; set "
+                                                             "tie_word_embeddings=False.")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             _fail("position_embedding_type", self.position_embedding_type, f"use one of {POSITION_EMBEDDING_TYPES}.")
         if self.position_embedding_type == "axial":
@@ -180,6 +194,11 @@ class ZooConfig(PreTrainedConfig):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def stack_output_size(self) -> int:
+        """Width of the Transformer's output, which the heads read: 2 * hidden_size for concatenated streams."""
+        return 2 * self.hidden_size if self.reversible and self.reversible_merge == "concat" else self.hidden_size
 
     def layer_attention_kinds(self, decoder: bool = False) -> list[str]:
         """The attention kind of every layer: `attn_layers` (or `decoder_attn_layers`) repeated to the depth."""

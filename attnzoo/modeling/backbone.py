@@ -3,7 +3,8 @@
 A block has an attention branch F (self-attention, then cross-attention for encoder-decoder decoders) and a
 feed-forward branch G. The standard stack computes x + F(x), then + G(.); the reversible stack keeps two streams,
 y1 = x1 + F(x2), y2 = x2 + G(y1) (seed 001 §3), starts both at the embeddings and ends with their mean, so the
-heads see `hidden_size` features either way.
+heads see `hidden_size` features either way, or, with `reversible_merge="concat"`, with both streams side by side
+(2 * hidden_size features, as trax's and transformers' Reformer do).
 """
 
 from __future__ import annotations
@@ -72,12 +73,46 @@ class ZooBlock(GradientCheckpointingLayer):
 
     def feed_forward_branch(self, x):
         """G(x): the feed-forward, over sequence chunks of `chunk_size_feed_forward` when set (seed 001 §3)."""
-        if not self.ffn_chunk_size or x.shape[1] <= self.ffn_chunk_size:
+        if not self.chunked_feed_forward(x):
             return self._residual(self._feed_forward(x))
         # Sequential chunks bound the [chunk, intermediate_size] activation (a memory-for-time trade by design).
         # transformers' apply_chunking_to_forward is not used: it refuses lengths that are not a chunk multiple.
-        chunks = [self._feed_forward(part) for part in x.split(self.ffn_chunk_size, dim=1)]
-        return self._residual(torch.cat(chunks, dim=1))
+        out = torch.cat([self._feed_forward(part) for part in x.split(self.ffn_chunk_size, dim=1)], dim=1)
+        scale = self._residual_scale(out)
+        return out if scale is None else out * scale
+
+    def chunked_feed_forward(self, x) -> bool:
+        return bool(self.ffn_chunk_size) and x.shape[1] > self.ffn_chunk_size
+
+    def _residual_scale(self, like):
+        """The random factor `_residual` multiplies a branch output by (dropout, drop-path), drawn exactly as
+        `_residual(like)` would draw it, or None when there is none."""
+        if not self.training or (self.dropout.p == 0.0 and self.drop_path_rate == 0.0):
+            return None
+        return self._residual(torch.ones_like(like))
+
+    def feed_forward_recompute_backward(self, x, grad_out, params):
+        """The reversible backward's step for a chunked G: recompute G(x) and backpropagate `grad_out` through it one
+        chunk at a time, so only one chunk's [chunk, intermediate_size] activations ever exist (seed 001 §3:
+        chunking saves memory in the backward pass too). Call under the RNG state of the forward's G.
+        Returns (G(x) detached, dL/dx, gradients of `params`)."""
+        scale = self._residual_scale(x)  # the forward drew nothing before this, so the draws match
+        out, grad_x = torch.empty_like(x), torch.empty_like(x)
+        grads = [None] * len(params)
+        for start in range(0, x.shape[1], self.ffn_chunk_size):
+            span = slice(start, start + self.ffn_chunk_size)
+            part = x[:, span].detach().requires_grad_()
+            with torch.enable_grad():
+                g = self._feed_forward(part)
+            grad = grad_out[:, span] if scale is None else grad_out[:, span] * scale[:, span]
+            part_grads = torch.autograd.grad(g, [part, *params], grad, allow_unused=True)
+            with torch.no_grad():
+                out[:, span] = g if scale is None else g * scale[:, span]
+            grad_x[:, span] = part_grads[0]
+            for i, p_grad in enumerate(part_grads[1:]):
+                if p_grad is not None:
+                    grads[i] = p_grad if grads[i] is None else grads[i] + p_grad
+        return out, grad_x, grads
 
     def _feed_forward(self, x):
         return self.ffn(self.ffn_norm(x))
@@ -107,6 +142,7 @@ class ZooTransformer(nn.Module):
         super().__init__()
         self.causal = causal
         self.reversible = config.reversible
+        self.concat_streams = config.reversible and config.reversible_merge == "concat"
         #: the reversible stack's recomputing backward; tests switch it off to compare with plain autograd.
         self.use_reversible_backward = True
         self.positions = PositionEmbedding(config) if with_positions else None
@@ -116,7 +152,7 @@ class ZooTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             ZooBlock(config, i, kind, causal, cross_attention, rates[i]) for i, kind in enumerate(kinds)
         )
-        self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_norm = nn.LayerNorm(config.stack_output_size, eps=config.layer_norm_eps)
 
     def new_cache_layers(self):
         return [block.attn.new_cache_layer() for block in self.blocks]
@@ -172,12 +208,18 @@ class ZooTransformer(nn.Module):
         cached = block_kwargs["past_key_values"] is not None
         if needs_grad and self.use_reversible_backward and all_hidden is None and not cached:
             params = [p for p in self.blocks.parameters() if p.requires_grad]
-            return ReversibleStackFunction.apply(self.blocks, block_kwargs, hidden, encoder_hidden_states, *params)
+            return ReversibleStackFunction.apply(self.blocks, block_kwargs, self.concat_streams, hidden,
+                                                 encoder_hidden_states, *params)
         # Plain autograd through the same two-stream computation (inference, hidden-state outputs, tests).
         x1 = x2 = hidden
+        if all_hidden is not None and self.concat_streams:
+            all_hidden[0] = self._merge(x1, x2)
         for block in self.blocks:
             x1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
             x2 = x2 + block.feed_forward_branch(x1)
             if all_hidden is not None:
-                all_hidden.append((x1 + x2) / 2)
-        return (x1 + x2) / 2
+                all_hidden.append(self._merge(x1, x2))
+        return self._merge(x1, x2)
+
+    def _merge(self, x1, x2):
+        return torch.cat([x1, x2], dim=-1) if self.concat_streams else (x1 + x2) / 2

@@ -119,7 +119,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         config = _as_decoder(config)
         super().__init__(config)
         self.model = ZooModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -189,7 +189,7 @@ class ZooForMaskedLM(ZooPreTrainedModel):
 class MaskedLMHead(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(config.stack_output_size, config.hidden_size)
         self.act = ACT2FN[config.hidden_act]
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.decoder = nn.Linear(config.hidden_size, config.vocab_size)
@@ -234,7 +234,7 @@ class ClassifierHead(nn.Module):
         super().__init__()
         rate = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
         self.dropout = nn.Dropout(rate)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.classifier = nn.Linear(config.stack_output_size, config.num_labels)
 
     def forward(self, pooled):
         return self.classifier(self.dropout(pooled))
@@ -351,7 +351,7 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.encoder = ZooSeq2SeqEncoder(config)
         self.decoder = ZooTransformer(config, causal=True, decoder_side=True, cross_attention=True)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_encoder(self, modality=None):

@@ -38,14 +38,15 @@ def _restored_rng(state, device: torch.device):
 
 
 class ReversibleStackFunction(torch.autograd.Function):
-    """apply(blocks, block_kwargs, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x.
+    """apply(blocks, block_kwargs, concat, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x,
+    or [y1, y2] side by side when `concat`.
 
     `context` is the encoder output for decoders with cross-attention (or None); its gradient is accumulated over
     every block. `params` are all trainable parameters of `blocks`, in `blocks.parameters()` order.
     """
 
     @staticmethod
-    def forward(ctx, blocks, block_kwargs, x, context, *params):
+    def forward(ctx, blocks, block_kwargs, concat, x, context, *params):
         device_type = x.device.type
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), device_type)
         ctx.blocks, ctx.block_kwargs, ctx.device = blocks, block_kwargs, x.device
@@ -60,14 +61,19 @@ class ReversibleStackFunction(torch.autograd.Function):
             x1, x2 = y1, y2
         ctx.save_for_backward(x1, x2, context)
         ctx.param_index = {id(p): i for i, p in enumerate(params)}
-        return (x1 + x2) / 2
+        ctx.concat = concat
+        return torch.cat([x1, x2], dim=-1) if concat else (x1 + x2) / 2
 
     @staticmethod
     def backward(ctx, grad_out):
         y1, y2, context = ctx.saved_tensors
         enabled, dtype, device_type = ctx.autocast
         grads = [None] * len(ctx.param_index)
-        dy1 = dy2 = grad_out / 2
+        if ctx.concat:
+            dy1, dy2 = (part.contiguous() for part in grad_out.chunk(2, dim=-1))
+        else:
+            dy1 = grad_out / 2
+            dy2 = dy1.clone()  # updated in place below, so the two must not share storage
         context_grad = None
         context_in = None if context is None else context.detach().requires_grad_(context.requires_grad)
 
@@ -77,25 +83,43 @@ class ReversibleStackFunction(torch.autograd.Function):
                     i = ctx.param_index[id(p)]
                     grads[i] = g if grads[i] is None else grads[i] + g
 
+        # Stream-sized tensors dominate the backward's memory at long lengths, so the streams are updated in place;
+        # only the last block's outputs, saved by autograd, are left intact.
+        owned = False
+
+        def minus(a, b):
+            return a.sub_(b) if owned else a - b
+
         for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
             g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
-            with torch.enable_grad(), _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
-                y1_in = y1.detach().requires_grad_()
-                g_out = block.feed_forward_branch(y1_in)
-            g_grads = torch.autograd.grad(g_out, [y1_in, *g_params], dy2, allow_unused=True)
-            dy1 = dy1 + g_grads[0]
-            accumulate(g_params, g_grads[1:])
+            if block.chunked_feed_forward(y1):
+                # Recompute and backpropagate G one chunk at a time: the backward never holds the whole
+                # [length, intermediate_size] activations either.
+                with _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
+                    g_out, g_dy1, g_param_grads = block.feed_forward_recompute_backward(y1, dy2, g_params)
+                dy1.add_(g_dy1)
+                accumulate(g_params, g_param_grads)
+                del g_dy1
+            else:
+                with torch.enable_grad(), _restored_rng(rng_g, ctx.device), \
+                        torch.autocast(device_type, dtype, enabled):
+                    y1_in = y1.detach().requires_grad_()
+                    g_out = block.feed_forward_branch(y1_in)
+                g_grads = torch.autograd.grad(g_out, [y1_in, *g_params], dy2, allow_unused=True)
+                dy1.add_(g_grads[0])
+                accumulate(g_params, g_grads[1:])
+                del y1_in, g_grads
             with torch.no_grad():
-                x2 = y2 - g_out
-            del g_out, y1_in
+                x2 = minus(y2, g_out)
+            del g_out
 
             f_params = [p for p in block.attention_parameters() if p.requires_grad]
             with torch.enable_grad(), _restored_rng(rng_f, ctx.device), torch.autocast(device_type, dtype, enabled):
                 x2_in = x2.detach().requires_grad_()
                 f_out = block.attention_branch(x2_in, context_in, replay=replay, **ctx.block_kwargs)
             wrt = [x2_in] + ([context_in] if context_in is not None and context_in.requires_grad else []) + f_params
-            f_grads = torch.autograd.grad(f_out, wrt, dy1, allow_unused=True)
-            dx2 = dy2 + f_grads[0]
+            f_grads = list(torch.autograd.grad(f_out, wrt, dy1, allow_unused=True))
+            dx2 = dy2.add_(f_grads[0])
             offset = 1
             if len(wrt) > 1 + len(f_params):
                 c = f_grads[1]
@@ -103,10 +127,12 @@ class ReversibleStackFunction(torch.autograd.Function):
                     context_grad = c if context_grad is None else context_grad + c
                 offset = 2
             accumulate(f_params, f_grads[offset:])
+            del f_grads
             with torch.no_grad():
-                x1 = y1 - f_out
+                x1 = minus(y1, f_out)
             del f_out, x2_in
             y1, y2, dy2 = x1, x2, dx2  # dy1 is already dx1
+            owned = True
 
         ctx.records = None
-        return (None, None, dy1 + dy2, context_grad, *grads)
+        return (None, None, None, dy1 + dy2, context_grad, *grads)

@@ -3,6 +3,8 @@
 from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
 from attnzoo.modeling.attention.favor import EluAttention, FavorAttention, KernelAttention
 from attnzoo.modeling.attention.lara import LinearRandomizedAttention
+from attnzoo.modeling.attention.local import LocalAttention
+from attnzoo.modeling.attention.lsh import LSHAttention
 from attnzoo.modeling.attention.randomized import RandomizedAttention
 from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
 
@@ -11,7 +13,9 @@ __all__ = [
     "EluAttention",
     "FavorAttention",
     "KernelAttention",
+    "LSHAttention",
     "LinearRandomizedAttention",
+    "LocalAttention",
     "RandomizedAttention",
     "SoftmaxAttention",
     "SoftmaxCrossAttention",

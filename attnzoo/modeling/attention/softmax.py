@@ -81,9 +81,11 @@ class SoftmaxCrossAttention(nn.Module):
         self.head_dim = config.head_dim
         self.hidden_size = config.hidden_size
         bias = config.attention_bias
+        # The encoder output is `stack_output_size` wide (2 * hidden_size with concatenated reversible streams).
+        context_size = config.stack_output_size
         self.q_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.k_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
-        self.v_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
+        self.k_proj = nn.Linear(context_size, self.hidden_size, bias=bias)
+        self.v_proj = nn.Linear(context_size, self.hidden_size, bias=bias)
         self.o_proj = nn.Linear(self.hidden_size, self.hidden_size, bias=bias)
         self.dropout = config.attention_probs_dropout_prob
 

@@ -1,0 +1,99 @@
+"""The Reformer family (seed 001): LSH and local attention in a reversible stack with axial positions and chunked
+feed-forward layers."""
+
+from __future__ import annotations
+
+from attnzoo.configuration.base import ZooConfig, _fail
+
+
+class ZooReformerConfig(ZooConfig):
+    r"""
+    Reformer configuration. The defaults are the paper's enwik8 set-up (seed 001 §5; trax `reformer_enwik8.gin`:
+    alternating local and LSH layers, 2 hash rounds, ReLU feed-forward, axial positions, no attention biases)
+    scaled down to hidden size 256 and chunks of 64.
+
+    Args (beyond `ZooConfig`):
+        attention_head_size: width of one attention head; `None` means `hidden_size // num_attention_heads`. A
+            different value (heads x size != hidden_size) is allowed, as in transformers' `ReformerConfig`.
+        lsh_chunk_length: length of the chunks the hash-sorted sequence is cut into.
+        lsh_num_chunks_before / lsh_num_chunks_after: neighbouring chunks each chunk also attends to (the chunks
+            after are used by bidirectional layers only).
+        lsh_num_buckets: hash buckets per round: an even int, a list of even factors (factorised hashing, their
+            product is the bucket count), or `None` for 2 * length / lsh_chunk_length (seed 001 §2), factorised into
+            two factors above 128 buckets so the rotation matrix stays small.
+        lsh_num_hashes / lsh_num_hashes_eval: hash rounds in training / evaluation (`None`: same as training).
+        lsh_hash_seed: seed of the hash rotations; `None` draws them from the global RNG (new ones every forward).
+        lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
+            hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
+            attend fully (to at most this many keys), so a position's attention does not depend on the length.
+        lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (eq.
+            16), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
+            `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with
+            the query instead of the chunk grid. A causal query's keys then depend on earlier tokens only, and
+            cached decoding computes exactly the same attention. "chunk": every key of its sorted chunk and of the
+            neighbouring chunks, across buckets (trax's and transformers' choice); there a causal query's window
+            also depends on how many later tokens hash to lower buckets (no later value is attended, but outputs
+            are not strictly causal), and decoding sees only the same-bucket part of it.
+        lsh_duplicate_correction: subtract log(number of rounds a key is attended in) so multi-round attention is
+            a softmax over the union of the rounds' keys (Appendix A, eq. 13-16).
+        lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
+            probabilities (`None`: `attention_probs_dropout_prob`).
+        local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
+            (look-ahead for bidirectional layers).
+    """
+
+    model_type = "attnzoo_reformer"
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "relu"
+    max_position_embeddings: int = 65536
+    attention_bias: bool = False
+    attn_layers: list[str] | tuple[str, ...] = ("local", "lsh")
+    reversible: bool = True
+    chunk_size_feed_forward: int = 2048
+    position_embedding_type: str = "axial"
+
+    attention_head_size: int | None = None
+
+    lsh_chunk_length: int = 64
+    lsh_num_chunks_before: int = 1
+    lsh_num_chunks_after: int = 1
+    lsh_num_buckets: int | list[int] | None = None
+    lsh_num_hashes: int = 2
+    lsh_num_hashes_eval: int | None = None
+    lsh_hash_seed: int | None = None
+    lsh_full_attention_threshold: int | None = None
+    lsh_window: str = "bucket"
+    lsh_duplicate_correction: bool = True
+    lsh_attention_probs_dropout_prob: float | None = None
+
+    local_chunk_length: int = 64
+    local_num_chunks_before: int = 1
+    local_num_chunks_after: int = 1
+    local_attention_probs_dropout_prob: float | None = None
+
+    def __post_init__(self, **kwargs):
+        if isinstance(self.lsh_num_buckets, tuple):
+            self.lsh_num_buckets = list(self.lsh_num_buckets)
+        super().__post_init__(**kwargs)
+
+    def check_values(self) -> None:
+        super().check_values()
+        # Every Reformer field is checked, also those of an attention kind the current layers do not use, so a
+        # saved config is valid whatever attn_layers it is later given.
+        from attnzoo.modeling.attention import ATTENTION_REGISTRY
+
+        for kind in ("lsh", "local"):
+            ATTENTION_REGISTRY[kind].check_config(self)
+        if self.attention_head_size is not None and (
+            not isinstance(self.attention_head_size, int) or self.attention_head_size < 1
+        ):
+            _fail("attention_head_size", self.attention_head_size, "set a positive integer or None.")
+
+    @property
+    def reformer_head_size(self) -> int:
+        """The width of one attention head of the LSH and local layers."""
+        return self.attention_head_size or self.head_dim

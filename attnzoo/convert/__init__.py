@@ -1,0 +1,1 @@
+"""Converters from other libraries' checkpoints to attnzoo models."""

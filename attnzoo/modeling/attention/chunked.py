@@ -1,0 +1,282 @@
+"""Chunked attention with neighbouring-chunk windows: the batching device shared by LSH and local attention.
+
+Queries come in chunks of `m` consecutive positions of some order (the hash-sorted order for LSH, the sequence
+for local attention); each chunk attends to the keys of its own chunk, of `before` chunks before it and of `after`
+chunks after it (seed 001 §2, Figure 2d). Which of those keys a query may really use is described by a
+`WindowMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
+
+`windowed_attention` is an autograd Function returning the output and the log-sum-exp of every query, with the
+gradients of both (LSH combines hash rounds through the log-sum-exp, Appendix A eq. 14). Its backward either
+recomputes the scores (the [chunks, m, window] tensors then exist only transiently, as in flash attention) or, with
+`save_probs`, keeps the probabilities: the reversible stack recomputes a layer and backpropagates through it at
+once, so there keeping them costs no extra peak memory and saves a recomputation.
+
+Masked scores are -inf and a query's own key (shared-QK) gets the large finite penalty -1e5 (seed 001 Appendix A),
+so a token attends to itself only when nothing else is allowed; a row with no allowed key at all (padding) gets
+zero probabilities and a log-sum-exp of -1e9, so everything stays finite. (A large finite value for the masked
+scores would give the same numbers, but exp() of very negative inputs is several times slower on CPU.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: (masked, self) score values: the floor of a row's log-sum-exp when nothing is allowed, and the penalty of a
+#: query's own key. Half precision needs values it can represent.
+MASK_VALUES = {torch.float16: (-1e4, -1e3)}
+DEFAULT_MASK_VALUES = (-1e9, -1e5)
+
+
+def mask_values(dtype: torch.dtype) -> tuple[float, float]:
+    """(masked, self) score values for a dtype."""
+    return MASK_VALUES.get(dtype, DEFAULT_MASK_VALUES)
+
+
+def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0) -> torch.Tensor:
+    """[..., C, m, *rest] chunks (`rest_dims` trailing feature dims) -> [..., C, (before + 1 + after) * m, *rest]:
+    each chunk's neighbourhood, from `before` chunks back to `after` ahead, with `fill` beyond the ends (no
+    wrap-around, eq. 11). Used for the per-position mask inputs; keys and values use `_flat_windows` views."""
+    if before == 0 and after == 0:
+        return x
+    chunk_dim = x.dim() - 2 - rest_dims
+    item_dim = chunk_dim + 1
+    num_chunks, m = x.shape[chunk_dim], x.shape[item_dim]
+    shape = list(x.shape)
+    shape[item_dim] = (before + 1 + after) * m
+    out = x.new_empty(shape)
+    # Block `offset` of chunk c is chunk c + offset - before: one copy of each block, `fill` past the ends.
+    for offset in range(before + 1 + after):
+        shift = offset - before
+        block = out.narrow(item_dim, offset * m, m)
+        lo, hi = max(0, -shift), min(num_chunks, num_chunks - shift)
+        if hi > lo:
+            block.narrow(chunk_dim, lo, hi - lo).copy_(x.narrow(chunk_dim, lo + shift, hi - lo))
+        if lo > 0:
+            block.narrow(chunk_dim, 0, min(lo, num_chunks)).fill_(fill)
+        if hi < num_chunks:
+            block.narrow(chunk_dim, max(hi, 0), num_chunks - max(hi, 0)).fill_(fill)
+    return out
+
+
+@dataclass
+class WindowMask:
+    """Which window keys each query may attend to, from per-position tensors in chunk layout.
+
+    Shapes use N (flattened batch dims), C chunks of m queries, and W = (before + 1 + after) * m window keys.
+    - positions [N, C, m]: original sequence positions (causality).
+    - valid [N, C, m]: real keys (False for padding).
+    - causal: a query sees keys at positions <= its own.
+    - self_penalty: a query's own key (the diagonal of its own chunk's block) gets the self value instead of its
+      score (shared-QK attention).
+    - groups [N, C, m] with group_band=(lo, hi): a query sees only keys of its own group (bucket) whose offset in the
+      window order (key slot - query slot) lies in [lo, hi] (LSH's "bucket" window).
+    - count_locations [N, C, m, R] with count_band=(lo, hi): subtract log(number of rounds r with
+      lo <= loc_r(key) - loc_r(query) <= hi) from the score (LSH's duplicate correction, Appendix A eq. 16).
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    before: int
+    after: int
+    causal: bool = False
+    self_penalty: bool = False
+    groups: torch.Tensor | None = None
+    group_band: tuple[int, int] = (0, 0)
+    count_locations: torch.Tensor | None = None
+    count_band: tuple[int, int] = (0, 0)
+
+    def window(self, x: torch.Tensor, fill, rest_dims: int = 0) -> torch.Tensor:
+        return windows(x, self.before, self.after, fill, rest_dims)
+
+    @property
+    def chunk_length(self) -> int:
+        return self.positions.shape[-1]
+
+    def slot_offsets(self, device) -> torch.Tensor:
+        """[m, W]: key slot - query slot for every (query, window key) pair of a chunk (the same for all chunks)."""
+        m = self.chunk_length
+        key_slots = torch.arange(-self.before * m, (self.after + 1) * m, device=device)
+        return key_slots[None, :] - torch.arange(m, device=device)[:, None]
+
+    def disallowed(self) -> torch.Tensor:
+        """[N, C, m, W] bool: True where the key must not be attended."""
+        full = (*self.positions.shape, (self.before + 1 + self.after) * self.chunk_length)
+        blocked = ~self.window(self.valid, False).unsqueeze(-2)  # [N, C, 1, W]
+        if self.groups is not None:
+            lo, hi = self.group_band
+            offsets = self.slot_offsets(self.groups.device)
+            blocked = blocked | ((offsets < lo) | (offsets > hi))
+            blocked |= self.window(self.groups, -1).unsqueeze(-2) != self.groups.unsqueeze(-1)
+        if self.causal:
+            later = self.window(self.positions, 0).unsqueeze(-2) > self.positions.unsqueeze(-1)
+            if blocked.shape == full:
+                blocked |= later
+            else:
+                blocked = blocked | later
+        return blocked.expand(full)
+
+    def duplicate_counts(self) -> torch.Tensor | None:
+        """[N, C, m, W] uint8: in how many rounds each window key is a candidate of the query (or None)."""
+        if self.count_locations is None or self.count_locations.shape[-1] < 2:
+            return None
+        lo, hi = self.count_band
+        k_locs = self.window(self.count_locations, 0, rest_dims=1)
+        count = None
+        # One round at a time: the [N, C, m, W] comparisons are the largest tensors here.
+        for r in range(self.count_locations.shape[-1]):
+            q = self.count_locations[..., r].unsqueeze(-1)
+            k = k_locs[..., r].unsqueeze(-2)
+            in_band = (k >= q + lo) & (k <= q + hi)
+            count = in_band.to(torch.uint8) if count is None else count.add_(in_band)
+        return count
+
+    def apply_(self, scores: torch.Tensor) -> torch.Tensor:
+        """Mask [N, C, m, W] scores in place: duplicate correction, -inf where disallowed, the self penalty."""
+        count = self.duplicate_counts()
+        if count is not None:
+            # log(count) = sum over c = 2..R of [count >= c] * log(c / (c - 1)): no float copy of the counts.
+            for c in range(2, self.count_locations.shape[-1] + 1):
+                scores.add_(count >= c, alpha=-math.log(c / (c - 1)))
+            del count
+        scores.masked_fill_(self.disallowed(), float("-inf"))
+        if self.self_penalty:
+            m = self.chunk_length
+            own_block = scores.narrow(-1, self.before * m, m)
+            own_block.diagonal(dim1=-2, dim2=-1).fill_(mask_values(scores.dtype)[1])
+        return scores
+
+
+def _padded_flat(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """[N, C, m, d] -> [N * C + before + after, m, d]: all chunks in one row with `before` zero chunks in front and
+    `after` behind, so every chunk's window is a contiguous run of rows (see `_flat_windows`)."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    if before == 0 and after == 0:
+        return flat.contiguous()  # `_flat_windows` reads it with contiguous strides
+    return F.pad(flat, (0, 0, 0, 0, before, after))
+
+
+def _flat_windows(padded: torch.Tensor, num_chunks: int, blocks: int) -> torch.Tensor:
+    """[N * C, blocks * m, d] overlapping views of `_padded_flat` rows: window i = chunks i - before .. i + after.
+    No copy. Windows at the ends of a row of C chunks reach into the neighbouring row (or the zero padding); those
+    keys are always masked, so their probabilities and gradients are exactly 0."""
+    _, m, d = padded.shape
+    return padded.as_strided((num_chunks, blocks * m, d), (m * d, d, 1), padded.storage_offset())
+
+
+def _masked_scores(q, k_windows, mask: WindowMask, scale: float) -> torch.Tensor:
+    """[N, C, m, W] masked scores of q [N * C, m, d] against window keys [N * C, W, d]."""
+    scores = torch.bmm(q, k_windows.transpose(1, 2))
+    if scale != 1.0:
+        scores.mul_(scale)
+    return mask.apply_(scores.view(*mask.positions.shape, scores.shape[-1]))
+
+
+def _softmax_(scores: torch.Tensor):
+    """In-place softmax of masked scores -> (probs, lse [..., 1]); rows with nothing allowed get probs 0 and the
+    floor log-sum-exp."""
+    floor = mask_values(scores.dtype)[0]
+    top = scores.amax(dim=-1, keepdim=True).clamp_(min=floor)
+    probs = scores.sub_(top).exp_()
+    total = probs.sum(dim=-1, keepdim=True).clamp_(min=1.0)  # >= 1 whenever a key is allowed (its max gives 1)
+    probs.div_(total)
+    return probs, top.add_(total.log_())
+
+
+class WindowedAttention(torch.autograd.Function):
+    """(q [N, C, m, d], k [N, C, m, d], v [N, C, m, d], mask, scale, dropout_p, save_probs)
+    -> (out [N, C, m, d], lse [N, C, m]).
+
+    The window keys and values are strided views of one padded copy of k and v (`_flat_windows`), the backward adds
+    each window block's gradient straight into its chunk (baddbmm into a shifted view): no [.., W, d] copies."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: WindowMask, scale: float, dropout_p: float, save_probs: bool):
+        shape = q.shape
+        before, after = mask.before, mask.after
+        num_chunks, blocks = shape[0] * shape[1], before + 1 + after
+        q_flat = q.reshape(num_chunks, *shape[-2:])
+        k_padded, v_padded = _padded_flat(k, before, after), _padded_flat(v, before, after)
+        probs, lse = _softmax_(_masked_scores(q_flat, _flat_windows(k_padded, num_chunks, blocks), mask, scale))
+        probs_flat = probs.view(num_chunks, shape[-2], -1)
+        v_windows = _flat_windows(v_padded, num_chunks, blocks)
+        keep = None
+        if dropout_p > 0.0:
+            keep = torch.rand_like(probs) >= dropout_p
+            out = torch.bmm((probs * keep).div_(1.0 - dropout_p).view_as(probs_flat), v_windows)
+        else:
+            out = torch.bmm(probs_flat, v_windows)
+        out = out.view(shape)
+        ctx.mask, ctx.scale, ctx.dropout_p = mask, scale, dropout_p
+        ctx.save_for_backward(q, k_padded, v_padded, out, lse, keep, probs if save_probs else None)
+        return out, lse.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k_padded, v_padded, out, lse, keep, probs = ctx.saved_tensors
+        mask, scale, dropout_p = ctx.mask, ctx.scale, ctx.dropout_p
+        shape = q.shape
+        before, after = mask.before, mask.after
+        num_chunks, m, blocks = shape[0] * shape[1], shape[-2], before + 1 + after
+        q_flat = q.reshape(num_chunks, *shape[-2:])
+        k_windows = _flat_windows(k_padded, num_chunks, blocks)
+        v_windows = _flat_windows(v_padded, num_chunks, blocks)
+        if probs is None:
+            probs = _masked_scores(q_flat, k_windows, mask, scale).sub_(lse).exp_()
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_out_flat = grad_out.reshape(num_chunks, *shape[-2:])
+        probs_flat = probs.view(num_chunks, m, -1)
+        grad_probs = torch.bmm(grad_out_flat, v_windows.transpose(1, 2)).view_as(probs)
+        used = probs_flat if keep is None else (probs * keep).div_(1.0 - dropout_p).view_as(probs_flat)
+        grad_v = _fold(used, grad_out_flat, v_padded, before, m)
+        del used
+        if keep is not None:
+            grad_probs.mul_(keep).div_(1.0 - dropout_p)
+        # Softmax backward with the log-sum-exp's own gradient: dS = P * (dP - rowsum(dO * O) + dlse).
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        if grad_lse is not None:
+            delta = delta - grad_lse.unsqueeze(-1)
+        grad_scores = grad_probs.sub_(delta).mul_(probs)
+        del probs, grad_probs, probs_flat
+        # Masked keys have probability 0, so no gradient; a row whose only key is its own (penalised, a constant)
+        # or that has none has a log-sum-exp at or below the self value and gets none either.
+        grad_scores.masked_fill_(lse <= mask_values(lse.dtype)[1] / 2, 0.0)
+        if scale != 1.0:
+            grad_scores.mul_(scale)
+        grad_scores_flat = grad_scores.view(num_chunks, m, -1)
+        grad_q = torch.bmm(grad_scores_flat, k_windows).view(shape)
+        grad_k = _fold(grad_scores_flat, q_flat, k_padded, before, m)
+        return grad_q, grad_k.view(shape), grad_v.view(shape), None, None, None, None
+
+
+def _fold(weights: torch.Tensor, x: torch.Tensor, padded_like: torch.Tensor, before: int, m: int) -> torch.Tensor:
+    """Gradient of `_padded_flat` rows seen through the windows: for every window block b, weights[:, :, b]^T @ x
+    added to the chunk that block came from; returns the [N * C, m, d] real rows."""
+    num_chunks = x.shape[0]
+    blocks = weights.shape[-1] // m
+    total = torch.zeros_like(padded_like)
+    for block in range(blocks):  # a handful of window blocks, each one batched matmul over every chunk
+        part = weights[:, :, block * m:(block + 1) * m].transpose(1, 2)
+        total.narrow(0, block, num_chunks).baddbmm_(part, x)
+    return total.narrow(0, before, num_chunks)
+
+
+def windowed_attention(q, k, v, mask: WindowMask, scale: float = 1.0, dropout_p: float = 0.0,
+                       save_probs: bool = False):
+    """Chunked attention over each chunk's window; returns (out [N, C, m, d], lse [N, C, m])."""
+    return WindowedAttention.apply(q, k, v, mask, scale, dropout_p, save_probs)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int, value=0) -> torch.Tensor:
+    """Pad `dim` of x at the end to a multiple of `multiple`."""
+    extra = (-x.shape[dim]) % multiple
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, extra]
+    if x.dtype == torch.bool:
+        return F.pad(x.to(torch.uint8), pad, value=int(value)).bool()
+    return F.pad(x, pad, value=value)

@@ -1,0 +1,116 @@
+"""The shared family suite for the Reformer family (LSH and local attention, reversible, axial positions)."""
+
+import pytest
+import torch
+
+from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
+from tests.family_suite import FamilySuite
+
+
+class TestReformerFamily(FamilySuite):
+    config_class = ZooReformerConfig
+    prefix = "ZooReformer"
+    # Local chunks of 4 make every suite sequence span several chunks. LSH hashes with fresh random rotations on
+    # every call, so tests that compare two separate forwards (cached vs uncached generation, a padded batch vs each
+    # row alone) need sequences the full-attention fallback covers (<= 32 tokens; the suite's longest is 18); the
+    # 33-token training run still hashes. Hashing itself, with fixed rotations, is tested in
+    # test_attention_lsh_local.py (fast path vs reference, padding, cached decoding, reversible buckets).
+    config_overrides = dict(lsh_chunk_length=8, lsh_full_attention_threshold=32, local_chunk_length=4)
+    attention_patterns = [("local", "lsh"), ("lsh",), ("local",)]
+
+
+# -- loading transformers' Reformer ----------------------------------------------------------------------------------
+def transformers_reformer(**overrides):
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    values = dict(vocab_size=37, hidden_size=16, num_attention_heads=2, attention_head_size=6,
+                  attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=32, axial_pos_shape=(4, 8),
+                  axial_pos_embds_dim=(6, 10), max_position_embeddings=32, is_decoder=True, lsh_attn_chunk_length=32,
+                  local_attn_chunk_length=4, num_buckets=4, num_hashes=2, hidden_dropout_prob=0.0,
+                  local_attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0, pad_token_id=0)
+    values.update(overrides)
+    torch.manual_seed(0)
+    model = ReformerModelWithLMHead(ReformerConfig(**values)).double().eval()
+    with torch.no_grad():  # every weight random, so a swapped or transposed tensor cannot go unnoticed
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(),  # local layers chunked (chunks of 4), LSH layers on their full-attention path
+    dict(attn_layers=["lsh", "lsh"], lsh_attn_chunk_length=16, axial_pos_embds=False, hidden_act="gelu"),
+    dict(attn_layers=["local"], local_num_chunks_before=2, chunk_size_feed_forward=1, attention_head_size=8),
+])
+def test_transformers_reformer_converts_to_equal_logits(overrides, tmp_path):
+    from attnzoo.convert.reformer_from_transformers import convert_model, main
+
+    source = transformers_reformer(**overrides)
+    model = convert_model(source)
+    ids = torch.randint(1, 37, (2, 13))
+    with torch.no_grad():
+        expected = source(ids).logits
+        torch.testing.assert_close(model(ids, use_cache=False).logits, expected, rtol=1e-10, atol=1e-10)
+        short = ids[:, :3]  # shorter than every chunk
+        torch.testing.assert_close(model(short, use_cache=False).logits, source(short).logits, rtol=1e-10,
+                                   atol=1e-10)
+    # The command line, from a saved checkpoint. (transformers keeps its axial tables in float32, so its own
+    # save/load round trip rounds them: compare with the reloaded source.)
+    source.save_pretrained(tmp_path / "src")
+    main([str(tmp_path / "src"), str(tmp_path / "dst")])
+    loaded = ZooReformerForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto").eval()
+    reloaded_source = type(source).from_pretrained(tmp_path / "src", dtype="auto").eval()
+    assert loaded.dtype == torch.float64
+    assert loaded.config.reversible_merge == "concat" and loaded.config.lsh_window == "chunk"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reloaded_source(ids).logits, rtol=1e-10, atol=1e-10)
+    # cached greedy decoding of the converted model equals its full forward
+    generated = loaded.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(loaded(generated[:, :-1]).logits[:, 4:].argmax(-1), generated[:, 5:])
+
+
+def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
+    # transformers' generate() special-cases class names containing "reformer" only in
+    # _supports_default_dynamic_cache (generation/utils.py), which ZooPreTrainedModel already answers False: the
+    # model builds its own ZooCache of LSH/local layers.
+    from attnzoo import ZooCache
+    from attnzoo.modeling.attention.local import LocalCacheLayer
+    from attnzoo.modeling.attention.lsh import LSHCacheLayer
+
+    assert not ZooReformerForCausalLM._supports_default_dynamic_cache()
+    model = TestReformerFamily().build("ForCausalLM").eval()
+    out = model.generate(torch.randint(2, 50, (1, 6)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, ZooCache) and cache.get_seq_length() == 8
+    assert [type(layer) for layer in cache.layers] == [LocalCacheLayer, LSHCacheLayer]
+
+
+@pytest.mark.parametrize("head", ["ForCausalLM", "ForMaskedLM", "ForSequenceClassification",
+                                  "ForImageClassification", "ForConditionalGeneration"])
+def test_concatenated_streams_work_with_every_head_and_the_reversible_backward(head):
+    # reversible_merge="concat" (transformers' Reformer layout): heads read 2 * hidden_size features; the reversible
+    # backward splits the incoming gradient between the streams instead of halving it.
+    suite = TestReformerFamily()
+    torch.manual_seed(0)
+    config = suite.make_config(reversible_merge="concat", tie_word_embeddings=False, hidden_dropout_prob=0.1)
+    model = suite.model_class(head)(config).double().train()
+    inputs = suite.inputs_for(head)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].double()
+    labels = suite.labels_for(head, inputs, config)
+    results = []
+    for use_reversible_backward in (True, False):
+        for module in model.modules():
+            if hasattr(module, "use_reversible_backward"):
+                module.use_reversible_backward = use_reversible_backward
+        model.zero_grad()
+        torch.manual_seed(5)
+        loss = model(**inputs, labels=labels).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
+    assert results[0][1].keys() == results[1][1].keys()
+    for name in results[1][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)

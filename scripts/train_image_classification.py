@@ -8,7 +8,7 @@ biases, position embeddings and the class token), cosine schedule with warm-up.
     python scripts/prepare_glyph_images.py --output_dir data/glyphs          # a small offline image set
     accelerate launch scripts/train_image_classification.py --recipe recipes/quickstart_image_classification.yaml
     accelerate launch scripts/train_image_classification.py --recipe recipes/lara_deit_tiny.yaml \
-        --dataset_name imagenet-1k
+        --dataset_name ILSVRC/imagenet-1k
 
 timm and torchvision (the `vision` extra) are imported by this script only.
 """

@@ -48,14 +48,21 @@ def new_model_config(family: str, values: dict, overrides: list[str]):
     """A new config of `attnzoo_{family}` from the script's values and the user's `--model NAME=VALUE` overrides."""
     import attnzoo  # noqa: F401  (registers the families)
 
-    merged = {**values, **parse_model_overrides(overrides)}
-    try:
-        return AutoConfig.for_model(f"attnzoo_{family}", **merged)
-    except ValueError as error:
-        if "Unrecognized model identifier" in str(error):
-            raise ValueError(f"--family {family}: attnzoo_{family} is not registered in this installation; use one "
-                             "of the registered families (softmax, performer, ...).") from error
-        raise
+    from transformers import CONFIG_MAPPING
+
+    model_type = f"attnzoo_{family}"
+    if model_type not in CONFIG_MAPPING:
+        registered = sorted(t.removeprefix("attnzoo_") for t in CONFIG_MAPPING.keys() if t.startswith("attnzoo_"))
+        raise ValueError(f"--family {family}: {model_type} is not registered in this installation; use one of "
+                         f"{registered}.")
+    user_values = parse_model_overrides(overrides)
+    # PreTrainedConfig keeps unknown keyword arguments as attributes, so a misspelt field would be silently ignored.
+    defaults = CONFIG_MAPPING[model_type]()
+    unknown = sorted(k for k in user_values if not hasattr(defaults, k))
+    if unknown:
+        raise ValueError(f"--model {unknown}: not fields of {model_type}'s config; check the spelling (fields are "
+                         f"documented in attnzoo.{type(defaults).__name__}).")
+    return AutoConfig.for_model(model_type, **{**values, **user_values})
 
 
 def train_loader(dataset: Dataset, batch_size: int, seed: int, collate_fn=None, drop_last: bool = True) -> DataLoader:

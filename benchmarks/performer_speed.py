@@ -36,8 +36,9 @@ HIDDEN, LAYERS, HEADS, FEATURES, VOCAB = 256, 4, 4, 256, 256
 
 
 def zoo_model(kind: str, max_len: int, positions: str = "learned"):
-    import attnzoo  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import attnzoo  # noqa: F401
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   intermediate_size=4 * HIDDEN, max_position_embeddings=max_len, hidden_dropout_prob=0.0,

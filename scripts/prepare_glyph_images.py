@@ -1,10 +1,11 @@
 """Build a small offline image-classification set: the digits 0-9 rendered in the fonts matplotlib ships.
 
 Each image is one digit drawn in one of 17 typefaces (DejaVu Sans/Serif/Mono and STIX in regular, bold, italic,
-Computer Modern), at a random size, rotation, position, and foreground/background colour, with pixel noise: an
-MNIST-like 10-class task in colour, as an image folder (OUTPUT_DIR/{train,validation}/{digit}/*.png) that
-`datasets`' imagefolder (and scripts/train_image_classification.py --train_dir/--validation_dir) reads. Training and
-validation use disjoint random draws; the fonts are shared (this tests learning glyph shapes, not font transfer).
+Computer Modern), at a random size, rotation and position, in dark ink of a random colour on light paper of a random
+colour, with pixel noise: an MNIST-like 10-class task in colour. The output is an image folder
+(OUTPUT_DIR/{train,validation}/{digit}/*.png) that `datasets`' imagefolder (and
+scripts/train_image_classification.py --train_dir/--validation_dir) reads. Training and validation use disjoint
+random draws; the fonts are shared (this tests learning glyph shapes, not font transfer).
 
     python scripts/prepare_glyph_images.py --output_dir data/glyphs --image_size 32 --train_per_class 200
 """
@@ -35,8 +36,8 @@ def render_digit(digit: int, size: int, rng: random.Random, fonts: list[Path]):
 
     scale = 4  # draw large, then downsample: smooth edges at small sizes
     canvas = size * scale
-    background = tuple(rng.randrange(0, 256) for _ in range(3))
-    foreground = tuple((c + rng.randrange(96, 160)) % 256 for c in background)  # always contrasts
+    background = tuple(rng.randrange(150, 256) for _ in range(3))  # a light colour
+    foreground = tuple(rng.randrange(0, 100) for _ in range(3))  # a dark one: ink on paper, in colour
     image = Image.new("RGB", (canvas, canvas), background)
     font = ImageFont.truetype(str(rng.choice(fonts)), size=int(canvas * rng.uniform(0.55, 0.85)))
     glyph = Image.new("L", (canvas, canvas), 0)

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     aug.add_argument("--auto_augment", default="rand-m9-mstd0.5-inc1", help="timm RandAugment policy ('' = off)")
     aug.add_argument("--color_jitter", type=float, default=0.3, help="used only when --auto_augment is off")
     aug.add_argument("--interpolation", default="bicubic")
+    aug.add_argument("--crop_scale_min", type=float, default=0.08, help="RandomResizedCrop's smallest area share")
+    aug.add_argument("--hflip", type=float, default=0.5, help="horizontal flip probability (0 for digits, text)")
     aug.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
     aug.add_argument("--mixup", type=float, default=0.8, help="Mixup alpha (0: off)")
     aug.add_argument("--cutmix", type=float, default=1.0, help="CutMix alpha (0: off)")
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(args) -> None:
     check_training_arguments(args)
-    for name in ("reprob", "mixup_prob", "mixup_switch_prob", "label_smoothing", "drop_path_rate"):
+    for name in ("reprob", "mixup_prob", "mixup_switch_prob", "label_smoothing", "drop_path_rate", "hflip"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a probability in [0, 1].")
     if args.mixup < 0 or args.cutmix < 0:
@@ -98,16 +100,34 @@ def check_arguments(args) -> None:
                          f"{args.per_device_train_batch_size} must be even (or set --mixup 0 --cutmix 0).")
     if args.image_size % args.patch_size:
         raise ValueError(f"--patch_size={args.patch_size} must divide --image_size={args.image_size}.")
+    if not 0.0 < args.crop_scale_min <= 1.0:
+        raise ValueError(f"--crop_scale_min={args.crop_scale_min} is invalid: set an area share in (0, 1].")
     if not 0.0 < args.eval_crop_pct <= 1.0:
         raise ValueError(f"--eval_crop_pct={args.eval_crop_pct} is invalid: set a value in (0, 1].")
 
 
-def build_transforms(args):
-    from timm.data import create_transform
+def _posterize_keeping_zero_bits(img, bits_to_keep, **kwargs):
+    """timm's posterize, except that 0 bits gives a black image as Pillow < 12 did: RandAugment's
+    PosterizeIncreasing reaches 0 bits when the sampled magnitude clips at 10 (m9, mstd 0.5), and Pillow 12+ raises
+    "bits must be between or equal to 1 and 8" there, crashing about one batch in a few hundred."""
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep < 1:
+        return img.point(lambda _: 0)
+    from PIL import ImageOps
 
-    train = create_transform(args.image_size, is_training=True, auto_augment=args.auto_augment or None,
-                             color_jitter=args.color_jitter, interpolation=args.interpolation, re_prob=args.reprob,
-                             re_mode="pixel", re_count=1)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def build_transforms(args):
+    from timm.data import auto_augment, create_transform
+
+    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
+        auto_augment.NAME_TO_OP[name] = _posterize_keeping_zero_bits
+
+    train = create_transform(args.image_size, is_training=True, scale=(args.crop_scale_min, 1.0), hflip=args.hflip,
+                             auto_augment=args.auto_augment or None, color_jitter=args.color_jitter,
+                             interpolation=args.interpolation, re_prob=args.reprob, re_mode="pixel", re_count=1)
     evaluation = create_transform(args.image_size, is_training=False, interpolation=args.interpolation,
                                   crop_pct=args.eval_crop_pct)
     return train, evaluation
@@ -180,7 +200,7 @@ def main(argv=None):
     with accelerator.main_process_first():
         raw, names = load_labelled_images(args)
     train_transform, eval_transform = build_transforms(args)
-    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column)
+    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed)
     validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column)
     model = build_model(args, names)
     mixup = build_mixup(args, len(names))

@@ -208,6 +208,7 @@ def main(argv=None):
     eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
     results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "corpus": args.corpus,
                "sequence_length": sequence_length, "num_parameters": n_params,
+               "num_train_sequences": len(train_set),
                "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
     if test_set is not None:
         test_loader = eval_loader(test_set, args.per_device_eval_batch_size, accelerator)

@@ -6,9 +6,13 @@ torchvision are the optional `vision` extra."""
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 
 def load_labelled_images(args):
@@ -53,13 +57,52 @@ def load_labelled_images(args):
     return raw, names
 
 
-def with_transform(split, transform, image_column: str, label_column: str):
-    """Rows become {"pixel_values": transform(RGB image), "labels": int} when read (lazily, per batch)."""
-    def apply(batch):
-        return {"pixel_values": [transform(image.convert("RGB")) for image in batch[image_column]],
-                "labels": list(batch[label_column])}
+@contextmanager
+def isolated_rng(seed: int):
+    """Seed python's, numpy's and torch's global RNGs for the block, then put their previous states back."""
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
 
-    return split.with_transform(apply)
+
+class TransformedImages(Dataset):
+    """Rows as {"pixel_values": transform(RGB image), "labels": int}.
+
+    Random augmentation (timm's RandAugment and random erasing draw from the global RNGs) runs under a seed derived
+    from (seed, epoch, example index), so an example's augmentation does not depend on when it is loaded: accelerate's
+    loader reads one batch ahead, so a checkpoint is saved after the next batch was already augmented, and a resumed
+    run (or a different number of processes or workers) would otherwise augment differently. The global RNG stream
+    that dropout, drop path and Mixup use is left untouched. `set_epoch` is called by accelerate's loader.
+    """
+
+    def __init__(self, split, transform, image_column: str, label_column: str, seed: int = 0):
+        self.split, self.transform = split, transform
+        self.image_column, self.label_column = image_column, label_column
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitem__(self, index):
+        row = self.split[int(index)]
+        example_seed = ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + int(index)) % (1 << 63)
+        with isolated_rng(example_seed):
+            pixels = self.transform(row[self.image_column].convert("RGB"))
+        return {"pixel_values": pixels, "labels": int(row[self.label_column])}
+
+
+def with_transform(split, transform, image_column: str, label_column: str, seed: int = 0) -> TransformedImages:
+    return TransformedImages(split, transform, image_column, label_column, seed)
 
 
 def collate_images(examples) -> dict[str, torch.Tensor]:

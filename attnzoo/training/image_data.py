@@ -165,7 +165,7 @@ class PixelSequences(Dataset):
         return len(self.images)
 
     def __getitem__(self, index):
-        pixels = torch.from_numpy(np.ascontiguousarray(self.images[index])).reshape(-1).long()
+        pixels = torch.from_numpy(np.array(self.images[index], dtype=np.uint8)).reshape(-1).long()  # a copy
         input_ids = torch.cat([torch.tensor([PIXEL_START_TOKEN]), pixels])
         labels = input_ids.clone()
         labels[0] = -100

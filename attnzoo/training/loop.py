@@ -46,9 +46,9 @@ def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
 
 def new_model_config(family: str, values: dict, overrides: list[str]):
     """A new config of `attnzoo_{family}` from the script's values and the user's `--model NAME=VALUE` overrides."""
-    import attnzoo  # noqa: F401  (registers the families)
-
     from transformers import CONFIG_MAPPING
+
+    import attnzoo  # noqa: F401  (registers the families)
 
     model_type = f"attnzoo_{family}"
     if model_type not in CONFIG_MAPPING:

@@ -47,6 +47,7 @@ from attnzoo.training.loop import (
     total_train_steps,
     train_batches,
     train_loader,
+    training_record,
 )
 from attnzoo.training.metrics import evaluate_bits_per_dim
 from attnzoo.training.model_card import bits_per_dim_result, build_model_card
@@ -190,15 +191,14 @@ def main(argv=None):
             continue
         step += 1
         progress.update(1)
-        if step % args.logging_steps == 0 or step == max_steps:
-            record = {"train_loss": train_loss.pop(accelerator), "lr": scheduler.get_last_lr()[0],
-                      "elapsed_s": round(time.time() - started, 1)}
+        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        if "train_loss" in record:
             record["train_bits_per_dim"] = record["train_loss"] / math.log(2)
-            if args.eval_steps and step % args.eval_steps == 0:
-                record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
-                                                                    args.max_eval_batches)
+        if args.eval_steps and step % args.eval_steps == 0:
+            record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
+                                                                args.max_eval_batches)
+        if record:
             accelerator.log(record, step=step)
-            progress.set_postfix(bpd=f"{record['train_bits_per_dim']:.3f}")
         if args.checkpointing_steps and step % args.checkpointing_steps == 0:
             save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
         if step >= max_steps:
@@ -215,9 +215,10 @@ def main(argv=None):
         results["test_bits_per_dim"] = evaluate_bits_per_dim(model, test_loader, accelerator, args.max_eval_batches)
     if args.corpus == "imagenet64":
         results["image_size"] = args.image_size
-    accelerator.log({"eval_bits_per_dim": eval_bpd}, step=step)
-    unwrapped = save_final_model(accelerator, model, output_dir,
-                                 tokenizer=_sized(tokenizer, unwrapped_max_length(model, accelerator)))
+    accelerator.log({k: v for k, v in results.items() if k.endswith("bits_per_dim")}, step=step)
+    if tokenizer is not None:
+        tokenizer.model_max_length = accelerator.unwrap_model(model).config.max_position_embeddings
+    unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")  # also right for fine-tuning
     accelerator.print(f"held-out bits/dim: {eval_bpd:.4f}"
                       + (f", test bits/dim: {results['test_bits_per_dim']:.4f}" if "test_bits_per_dim" in results
@@ -227,16 +228,6 @@ def main(argv=None):
         accelerator.print("sample:", repr(sample(output_dir, args.sample_prompt, args.sample_tokens)))
     accelerator.end_training()
     return eval_bpd
-
-
-def unwrapped_max_length(model, accelerator) -> int:
-    return accelerator.unwrap_model(model).config.max_position_embeddings
-
-
-def _sized(tokenizer, max_length: int):
-    if tokenizer is not None:
-        tokenizer.model_max_length = max_length
-    return tokenizer
 
 
 def lm_card(args, model, results: dict):

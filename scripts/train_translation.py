@@ -39,6 +39,7 @@ from attnzoo.training.loop import (
     total_train_steps,
     train_batches,
     train_loader,
+    training_record,
 )
 from attnzoo.training.metrics import bleu_scores
 from attnzoo.training.model_card import bleu_results, build_model_card
@@ -215,15 +216,13 @@ def main(argv=None):
             continue
         step += 1
         progress.update(1)
-        if step % args.logging_steps == 0 or step == max_steps:
-            record = {"train_loss": train_loss.pop(accelerator), "lr": scheduler.get_last_lr()[0],
-                      "elapsed_s": round(time.time() - started, 1)}
-            if args.eval_steps and step % args.eval_steps == 0:
-                bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
-                                        args.max_eval_batches)
-                record["eval_bleu"] = bleu["sacrebleu"]["score"]
+        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        if args.eval_steps and step % args.eval_steps == 0:
+            bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
+                                    args.max_eval_batches)
+            record["eval_bleu"] = bleu["sacrebleu"]["score"]
+        if record:
             accelerator.log(record, step=step)
-            progress.set_postfix(loss=f"{record['train_loss']:.3f}")
         if args.checkpointing_steps and step % args.checkpointing_steps == 0:
             save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
         if step >= max_steps:

@@ -112,6 +112,19 @@ def test_imagenet64_style_pixel_lm_from_npz(tmp_path, family):
     assert "unconditional-image-generation" in (out / "README.md").read_text()
 
 
+def test_bf16_mixed_precision_run(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(english_text()[:4_000])
+    out = tmp_path / "run"
+    bpd = run_script("train_lm", ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "4",
+                                  "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2",
+                                  "--output_dir", out, *tiny_model("performer"), *SHORT])
+    assert math.isfinite(bpd) and 0 < bpd < 9
+    saved = weights(out)
+    assert all(w.dtype == torch.float32 for w in saved.values() if w.is_floating_point()), \
+        "mixed precision keeps float32 master weights"
+
+
 def test_pixel_lm_from_an_image_folder(tmp_path):
     from PIL import Image
 
@@ -203,7 +216,8 @@ def test_killed_run_resumes_from_its_last_checkpoint_to_identical_weights(tmp_pa
     args = ["--train_file", corpus, "--block_size", "64", "--max_train_steps", "60", "--checkpointing_steps", "5",
             "--per_device_train_batch_size", "8", *tiny_model("performer", "hidden_dropout_prob=0.1"),
             "--max_eval_batches", "2", "--num_warmup_steps", "2", "--sample_tokens", "0", *QUIET]
-    run_script("train_lm", [*args, "--output_dir", tmp_path / "full"])
+    # The reference runs in the same kind of process (thread count, hence float summation order) as the killed one.
+    launch("train_lm", [*args, "--output_dir", tmp_path / "full"])
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(accelerate_command("train_lm", [*args, "--output_dir", killed]), env=script_env(),

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # Training state is for resuming, not for users of the model: it stays local.
-UPLOAD_IGNORE = ["checkpoints/*", "checkpoints/**", "*.partial/**", "hparams.json"]
+# (tokenizer/ is the translation script's copy of the BPE it trained, kept for resuming; the same files sit at the top.)
+UPLOAD_IGNORE = ["checkpoints/*", "checkpoints/**", "*.partial/**", "hparams.json", "tokenizer/*"]
 
 
 def resolve_repo_id(args) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int)
     skipped without being loaded, so a resumed run sees exactly the batches an uninterrupted one would.
     """
     per_epoch = optimizer_steps_per_epoch(len(loader), accelerator.gradient_accumulation_steps)
+    if per_epoch == 0:
+        raise ValueError(f"each of the {accelerator.num_processes} processes gets no full training batch; lower "
+                         "--per_device_train_batch_size or add data.")
     epoch, done = divmod(start_step, per_epoch)
     while True:
         loader.set_epoch(epoch)
@@ -168,6 +172,20 @@ class RunningMean:
         mean = accelerator.reduce(self.total / self.count, "mean").item()
         self.total, self.count = None, 0
         return mean
+
+
+def training_record(accelerator: Accelerator, args, step: int, max_steps: int, train_loss: RunningMean, scheduler,
+                    started: float, progress=None) -> dict:
+    """The values to log after optimizer step `step`: the mean training loss since the last log, the learning rate
+    and the elapsed time every --logging_steps steps and at the last step; {} otherwise. The script adds its
+    evaluation metric every --eval_steps steps and logs the record if it is not empty."""
+    if step % args.logging_steps and step != max_steps:
+        return {}
+    record = {"train_loss": train_loss.pop(accelerator), "lr": scheduler.get_last_lr()[0],
+              "elapsed_s": round(time.time() - started, 1)}
+    if progress is not None and record["train_loss"] is not None:
+        progress.set_postfix(loss=f"{record['train_loss']:.3f}")
+    return record
 
 
 def progress_bar(accelerator: Accelerator, total: int, initial: int, desc: str = "train"):

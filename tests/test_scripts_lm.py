@@ -54,6 +54,10 @@ def test_enwik8_split_blocks_and_test_bits_per_dim(tmp_path, family):
     assert "bits_per_dim" in card and f"value: {round(found['test_bits_per_dim'], 4)}" in card
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == f"attnzoo_{family}"
     assert (out / "curves.png").stat().st_size > 1000
+    # evaluate.py reads the data arguments from the run's training_args.json
+    evaluated = run_script("evaluate", ["--model_name_or_path", out, "--split", "test"])
+    assert evaluated["task"] == "lm" and evaluated["corpus"] == "enwik8"
+    assert evaluated["bits_per_dim"] == pytest.approx(found["test_bits_per_dim"], rel=1e-6)
 
 
 def test_enwik8_split_is_the_standard_byte_split(tmp_path):
@@ -109,6 +113,8 @@ def test_imagenet64_style_pixel_lm_from_npz(tmp_path, family):
     assert 0 < bpd < 8.5
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.vocab_size == 257 and model.config.max_position_embeddings == 49
+    evaluated = run_script("evaluate", ["--model_name_or_path", out, "--per_device_eval_batch_size", "2"])
+    assert evaluated["bits_per_dim"] == pytest.approx(bpd, rel=1e-5) and evaluated["sequences"] == 6
     assert "unconditional-image-generation" in (out / "README.md").read_text()
 
 

@@ -85,9 +85,6 @@ def check_training_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max_train_steps={args.max_train_steps} is invalid: set a positive integer.")
     if args.num_train_epochs is not None and not args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs={args.num_train_epochs} is invalid: set a positive number.")
-    if args.max_train_steps is not None and args.num_warmup_steps >= args.max_train_steps > 1:
-        raise ValueError(f"--num_warmup_steps={args.num_warmup_steps} must be below --max_train_steps="
-                         f"{args.max_train_steps}; lower the warm-up.")
     if args.family not in FAMILIES and not args.model_name_or_path:
         raise ValueError(f"--family {args.family!r} is unknown: use one of {FAMILIES}.")
     if args.model_name_or_path and args.model:

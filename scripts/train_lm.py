@@ -1,184 +1,257 @@
-"""Train a byte-level causal language model with any attnzoo family; report bits/dim on held-out text.
+"""Train a causal language model with any attnzoo family and report bits/dim on held-out data.
+
+Three kinds of data (--corpus):
+
+  text        any text: a local file (default: the English text that ships with CPython, no download), json/csv
+              files, or a `datasets` dataset (--dataset_name); byte-level (token id == byte) for a new model, the
+              checkpoint's tokenizer with --model_name_or_path (fine-tuning).
+  enwik8      enwik8-64K (seed 001 §5): the raw enwik8 file or zip, the 90M/5M/5M byte split, 65,536-byte blocks.
+  imagenet64  pixel-level image generation: each 64x64x3 image is 12,288 sub-pixel tokens (vocab 256 + a start
+              token), from .npy/.npz arrays, image folders or a `datasets` dataset; bits/dim over all sub-pixels.
 
     accelerate launch scripts/train_lm.py --recipe recipes/quickstart_lm.yaml --output_dir runs/quickstart
+    accelerate launch scripts/train_lm.py --recipe recipes/reformer_enwik8.yaml --data_dir data/enwik8
 
-With no --train_file it trains on the English text that ships with CPython, so it needs no download. The result
-is a folder that `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load.
+The output folder loads with `AutoModelForCausalLM.from_pretrained` (and `AutoTokenizer` for text).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
-from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
+from accelerate.utils import set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import attnzoo  # noqa: F401  (registers the families with the Auto classes)
 from attnzoo.tokenization import byte_level_tokenizer
-from attnzoo.training.checkpoints import checkpoint_dir, resolve_resume
-from attnzoo.training.metrics import bits_per_dim, summed_token_nats
-from attnzoo.training.recipes import parse_model_overrides, parse_with_recipe
-from attnzoo.training.text_data import ByteBlocks, read_bytes, split_bytes
+from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
+from attnzoo.training.checkpoints import save_checkpoint
+from attnzoo.training.image_data import (
+    PIXEL_VOCAB_SIZE,
+    PixelSequences,
+    load_image_sources,
+    pixel_sequence_length,
+)
+from attnzoo.training.loop import (
+    RunningMean,
+    build_accelerator,
+    build_optimizer,
+    build_scheduler,
+    eval_loader,
+    new_model_config,
+    progress_bar,
+    resume_if_asked,
+    save_final_model,
+    total_train_steps,
+    train_batches,
+    train_loader,
+    training_record,
+)
+from attnzoo.training.metrics import evaluate_bits_per_dim
+from attnzoo.training.model_card import bits_per_dim_result, build_model_card
+from attnzoo.training.publish import publish_run
+from attnzoo.training.recipes import parse_with_recipe
+from attnzoo.training.text_data import (
+    ENWIK8_HELDOUT_BYTES,
+    TokenBlocks,
+    find_enwik8,
+    load_text_splits,
+    read_enwik8,
+    split_enwik8,
+)
+
+CORPORA = ("text", "enwik8", "imagenet64")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", default="softmax", help="softmax, reformer, performer, ra or lara")
-    p.add_argument("--model_name_or_path", default=None, help="start from this checkpoint instead of from scratch")
-    p.add_argument("--model", nargs="*", default=[], metavar="NAME=VALUE",
-                   help="config values for a new model, e.g. hidden_size=128 attn_layers=[full]")
-    p.add_argument("--train_file", default=None, help="raw text file (default: CPython's pydoc topic text)")
-    p.add_argument("--heldout_fraction", type=float, default=0.05)
-    p.add_argument("--block_size", type=int, default=256)
-    p.add_argument("--per_device_train_batch_size", type=int, default=16)
-    p.add_argument("--per_device_eval_batch_size", type=int, default=16)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=1e-3)
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--lr_scheduler_type", default="cosine")
-    p.add_argument("--num_warmup_steps", type=int, default=50)
-    p.add_argument("--max_train_steps", type=int, default=500)
-    p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--max_eval_batches", type=int, default=0, help="cap held-out batches per evaluation (0: all)")
-    p.add_argument("--checkpointing_steps", type=int, default=0, help="save training state every N steps")
-    p.add_argument("--resume_from_checkpoint", default=None, help="a step_N folder, or 'latest'")
-    p.add_argument("--output_dir", default="runs/lm")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
-    p.add_argument("--sample_prompt", default="The ")
-    p.add_argument("--sample_tokens", type=int, default=120)
-    return p
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", default="text", choices=CORPORA)
+    data.add_argument("--train_file", default=None,
+                      help="text: a .txt/.json/.csv file; enwik8: the enwik8 file or zip; imagenet64: .npy/.npz "
+                           "arrays (comma list or glob)")
+    data.add_argument("--validation_file", default=None)
+    data.add_argument("--dataset_name", default=None, help="a `datasets` dataset (text or images)")
+    data.add_argument("--dataset_config_name", default=None)
+    data.add_argument("--text_column", default="text")
+    data.add_argument("--tokenizer_name", default=None, help="tokenizer for fine-tuning (default: the checkpoint's)")
+    data.add_argument("--data_dir", default=None, help="enwik8: folder holding enwik8 or enwik8.zip")
+    data.add_argument("--heldout_fraction", type=float, default=0.05,
+                      help="text without a validation split: hold out this final fraction")
+    data.add_argument("--heldout_bytes", type=int, default=ENWIK8_HELDOUT_BYTES,
+                      help="enwik8: size of the validation and of the test split (5M: the standard split)")
+    data.add_argument("--block_size", type=int, default=256, help="tokens per training sequence (text, enwik8)")
+    data.add_argument("--train_stride", type=int, default=0,
+                      help="start a training block every N tokens (0: block_size, no overlap)")
+    data.add_argument("--train_dir", default=None, help="imagenet64: folder of training images")
+    data.add_argument("--validation_dir", default=None, help="imagenet64: folder of held-out images")
+    data.add_argument("--image_size", type=int, default=64, help="imagenet64: image side (64 -> 12,288 tokens)")
+    data.add_argument("--image_column", default="image")
+    sample = parser.add_argument_group("sample")
+    sample.add_argument("--sample_prompt", default="The ")
+    sample.add_argument("--sample_tokens", type=int, default=120, help="text: greedy sample at the end (0: none)")
+    add_training_arguments(parser, per_device_train_batch_size=16, per_device_eval_batch_size=16,
+                           learning_rate=1e-3, num_warmup_steps=50, max_train_steps=500, output_dir="runs/lm")
+    return parser
 
 
-def build_model(args):
+def check_arguments(args) -> None:
+    check_training_arguments(args)
+    if args.image_size < 1:
+        raise ValueError(f"--image_size={args.image_size} is invalid: set a positive image side.")
+    if args.corpus == "enwik8" and args.dataset_name:
+        raise ValueError("--corpus enwik8 reads the raw file (--data_dir or --train_file); the Hub copy LTCB/enwik8 "
+                         "is a loading script that datasets >= 4 refuses. Drop --dataset_name.")
+    if args.train_stride < 0:
+        raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
+
+
+def load_tokenizer(args):
+    """The tokenizer a text run uses, and whether it is the byte-level one (id == byte)."""
+    if args.corpus == "imagenet64":
+        return None, True
+    name = args.tokenizer_name or args.model_name_or_path
+    tokenizer = byte_level_tokenizer() if name is None else AutoTokenizer.from_pretrained(name)
+    byte_level = len(tokenizer) == 256 and tokenizer("Az", add_special_tokens=False).input_ids == [65, 122]
+    return tokenizer, byte_level
+
+
+def load_datasets(args, tokenizer, byte_level: bool):
+    """(train, held-out, test or None, sequence length) for the chosen corpus."""
+    if args.corpus == "imagenet64":
+        train_images, heldout_images = load_image_sources(args)
+        return (PixelSequences(train_images), PixelSequences(heldout_images), None,
+                pixel_sequence_length(args.image_size))
+    stride = args.train_stride or args.block_size
+    if args.corpus == "enwik8":
+        splits = split_enwik8(read_enwik8(find_enwik8(args.data_dir, args.train_file)), args.heldout_bytes)
+        return (TokenBlocks(splits["train"], args.block_size, stride),
+                TokenBlocks(splits["validation"], args.block_size),
+                TokenBlocks(splits["test"], args.block_size), args.block_size)
+    train_tokens, heldout_tokens = load_text_splits(args, tokenizer, byte_level)
+    return (TokenBlocks(train_tokens, args.block_size, stride), TokenBlocks(heldout_tokens, args.block_size), None,
+            args.block_size)
+
+
+def build_model(args, sequence_length: int, vocab_size: int):
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-    values = dict(vocab_size=256, max_position_embeddings=args.block_size, is_decoder=True)
-    values.update(parse_model_overrides(args.model))
-    config = AutoConfig.for_model(f"attnzoo_{args.family}", **values)
+    config = new_model_config(args.family, dict(vocab_size=vocab_size, max_position_embeddings=sequence_length,
+                                                is_decoder=True), args.model)
     return AutoModelForCausalLM.from_config(config)
-
-
-def evaluate(model, loader, accelerator, max_batches: int) -> float:
-    model.eval()
-    nats = torch.zeros((), device=accelerator.device)
-    tokens = torch.zeros((), device=accelerator.device)
-    for i, batch in enumerate(loader):
-        if max_batches and i >= max_batches:
-            break
-        batch_nats, batch_tokens = summed_token_nats(model, batch)
-        nats += batch_nats
-        tokens += batch_tokens
-    model.train()
-    nats, tokens = accelerator.reduce(nats, "sum"), accelerator.reduce(tokens, "sum")
-    return bits_per_dim(nats.item(), tokens.item())
 
 
 def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
+    check_arguments(args)
     output_dir = Path(args.output_dir)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=args.mixed_precision, project_dir=str(output_dir),
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = build_accelerator(args, "train_lm")
     set_seed(args.seed)
 
-    train_bytes, heldout_bytes = split_bytes(read_bytes(args.train_file), args.heldout_fraction)
-    train_set, heldout_set = ByteBlocks(train_bytes, args.block_size), ByteBlocks(heldout_bytes, args.block_size)
-    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
-    heldout_loader = DataLoader(heldout_set, batch_size=args.per_device_eval_batch_size)
+    tokenizer, byte_level = load_tokenizer(args)
+    with accelerator.main_process_first():  # `datasets` caches are built once
+        train_set, heldout_set, test_set, sequence_length = load_datasets(args, tokenizer, byte_level)
+    vocab_size = PIXEL_VOCAB_SIZE if args.corpus == "imagenet64" else len(tokenizer)
+    model = build_model(args, sequence_length, vocab_size)
+    if model.config.max_position_embeddings < sequence_length:
+        raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
+                         f"{model.config.max_position_embeddings}; lower --block_size.")
 
-    model = build_model(args)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate)
-    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps,
-                              num_training_steps=args.max_train_steps)
-    model, optimizer, train_loader, heldout_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, heldout_loader, scheduler)
+    loader = train_loader(train_set, args.per_device_train_batch_size, args.seed)
+    heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
+    optimizer = build_optimizer(model, args)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    max_steps = total_train_steps(args, len(loader))
+    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
+    step = resume_if_asked(accelerator, args)
 
-    resume_dir, step = resolve_resume(output_dir, args.resume_from_checkpoint)
-    if resume_dir is not None:
-        accelerator.load_state(str(resume_dir))
-        accelerator.print(f"resumed from {resume_dir} at step {step}")
-    steps_per_epoch = len(train_loader) // args.gradient_accumulation_steps
-    if steps_per_epoch == 0:
-        raise ValueError("fewer training batches than --gradient_accumulation_steps; lower the batch size.")
-
-    log_path = output_dir / "metrics.jsonl"
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        n_params = sum(p.numel() for p in model.parameters())
-        accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} train blocks of {args.block_size} "
-                          f"bytes, {len(heldout_set)} held-out blocks, {args.max_train_steps} steps")
+    accelerator.init_trackers("train_lm", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
+    n_params = sum(p.numel() for p in model.parameters())
+    accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} training sequences of {sequence_length} "
+                      f"tokens, {len(heldout_set)} held-out, {max_steps} steps, {accelerator.num_processes} "
+                      "process(es)")
+    progress = progress_bar(accelerator, max_steps, step)
+    train_loss = RunningMean()
+    started = time.time()
     model.train()
-    started, window_loss, window_steps = time.time(), 0.0, 0
-    while step < args.max_train_steps:
-        epoch, done_in_epoch = divmod(step, steps_per_epoch)
-        train_loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(train_loader, done_in_epoch * args.gradient_accumulation_steps) \
-            if done_in_epoch else train_loader
-        for batch in batches:
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            window_loss += loss.detach().float().item()
-            window_steps += 1
-            if step % 25 == 0 or step == args.max_train_steps:
-                record = {"step": step, "train_bits_per_dim": window_loss / window_steps / math.log(2),
-                          "lr": scheduler.get_last_lr()[0], "elapsed_s": round(time.time() - started, 1)}
-                window_loss, window_steps = 0.0, 0
-                if args.eval_steps and step % args.eval_steps == 0:
-                    record["eval_bits_per_dim"] = evaluate(model, heldout_loader, accelerator, args.max_eval_batches)
-                log(accelerator, log_path, record)
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                accelerator.save_state(str(checkpoint_dir(output_dir, step)))
-            if step >= args.max_train_steps:
-                break
+    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        train_loss.add(loss)
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        progress.update(1)
+        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        if "train_loss" in record:
+            record["train_bits_per_dim"] = record["train_loss"] / math.log(2)
+        if args.eval_steps and step % args.eval_steps == 0:
+            record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
+                                                                args.max_eval_batches)
+        if record:
+            accelerator.log(record, step=step)
+        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+            save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
+        if step >= max_steps:
+            break
+    progress.close()
 
-    eval_bpd = evaluate(model, heldout_loader, accelerator, args.max_eval_batches)
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
-    if accelerator.is_main_process:
-        byte_level_tokenizer(model_max_length=unwrapped.config.max_position_embeddings).save_pretrained(output_dir)
-        results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "family": args.family,
-                   "train_seconds": round(time.time() - started, 1)}
-        (output_dir / "all_results.json").write_text(json.dumps(results, indent=2))
-        accelerator.print(f"held-out bits/dim: {eval_bpd:.3f}; model saved to {output_dir}")
-        if args.sample_tokens:
-            accelerator.print("sample:", repr(sample(output_dir, args.sample_prompt, args.sample_tokens)))
+    eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
+    results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "corpus": args.corpus,
+               "sequence_length": sequence_length, "num_parameters": n_params,
+               "num_train_sequences": len(train_set),
+               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
+    if test_set is not None:
+        test_loader = eval_loader(test_set, args.per_device_eval_batch_size, accelerator)
+        results["test_bits_per_dim"] = evaluate_bits_per_dim(model, test_loader, accelerator, args.max_eval_batches)
+    if args.corpus == "imagenet64":
+        results["image_size"] = args.image_size
+    accelerator.log({k: v for k, v in results.items() if k.endswith("bits_per_dim")}, step=step)
+    if tokenizer is not None:
+        tokenizer.model_max_length = accelerator.unwrap_model(model).config.max_position_embeddings
+    unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
+    results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")  # also right for fine-tuning
+    accelerator.print(f"held-out bits/dim: {eval_bpd:.4f}"
+                      + (f", test bits/dim: {results['test_bits_per_dim']:.4f}" if "test_bits_per_dim" in results
+                         else "") + f"; model saved to {output_dir}")
+    publish_run(accelerator, args, results, lambda: lm_card(args, unwrapped, results), title=str(output_dir))
+    if accelerator.is_main_process and args.sample_tokens and tokenizer is not None:
+        accelerator.print("sample:", repr(sample(output_dir, args.sample_prompt, args.sample_tokens)))
     accelerator.end_training()
     return eval_bpd
 
 
-def log(accelerator, path: Path, record: dict) -> None:
-    if accelerator.is_main_process:
-        accelerator.print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
-        with path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+def lm_card(args, model, results: dict):
+    if args.corpus == "enwik8":
+        dataset = ("enwik8", "enwik8")
+        evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation"),
+                 bits_per_dim_result(results["test_bits_per_dim"], *dataset, "test")]
+    elif args.corpus == "imagenet64":
+        dataset = (args.dataset_name or f"imagenet{args.image_size}", args.dataset_name or "imagenet64")
+        evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation",
+                                     task_type="unconditional-image-generation")]
+    else:
+        name = args.dataset_name or Path(args.train_file or "cpython-pydoc-topics").name
+        dataset = (name, args.dataset_name or "text")
+        evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation")]
+    return build_model_card(
+        "causal_lm", args=args, config=model.config, num_parameters=results["num_parameters"], results=results,
+        eval_results=evals, pipeline_tag="text-generation" if args.corpus != "imagenet64" else None,
+        datasets=[args.dataset_name] if args.dataset_name else None, corpus=args.corpus,
+        dataset_name=dataset[0], sequence_length=results["sequence_length"], image_size=args.image_size)
 
 
 def sample(model_dir: Path, prompt: str, new_tokens: int) -> str:
     """Reload the saved folder the way a user would and generate greedily."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = tokenizer(prompt, return_tensors="pt").input_ids

@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from attnzoo.training.tracking import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,7 +48,9 @@ def test_trains_reports_bits_per_dim_and_saves_a_loadable_model(text_file, tmp_p
     ids = tokenizer("The quick", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 5)
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [25, 30]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [25, 30]
+    assert records[-1]["eval_bits_per_dim"] == bpd and "train_bits_per_dim" in records[0]
 
 
 def test_bad_arguments_raise_value_error(text_file, tmp_path):

@@ -1,10 +1,15 @@
-"""Metrics shared by the scripts."""
+"""Metrics shared by the scripts: bits/dim (text and images), BLEU (sacreBLEU with its signature, and a tokenised
+BLEU), top-1 accuracy. Sums are taken per process and added across processes, so every metric is token- or
+example-weighted over the whole evaluation set."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
+
+IGNORE_INDEX = -100
 
 
 @torch.no_grad()
@@ -13,10 +18,73 @@ def summed_token_nats(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     labels = batch["labels"] if "labels" in batch else batch["input_ids"]
     out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=labels,
                 use_cache=False)
-    count = (labels[:, 1:] != -100).sum()
+    count = (labels[:, 1:] != IGNORE_INDEX).sum()
     return out.loss.float() * count, count
 
 
 def bits_per_dim(total_nats: float, total_tokens: float) -> float:
     """Mean negative log-likelihood per predicted token (byte or sub-pixel) in bits."""
     return total_nats / max(total_tokens, 1) / math.log(2)
+
+
+@torch.no_grad()
+def evaluate_bits_per_dim(model, loader, accelerator, max_batches: int = 0) -> float:
+    """bits/dim over every predicted token of `loader` (this process's shard), summed over processes."""
+    from attnzoo.training.loop import to_device
+
+    was_training = model.training
+    model.eval()
+    nats = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    for index, batch in enumerate(loader):
+        if max_batches and index >= max_batches:
+            break
+        batch_nats, batch_tokens = summed_token_nats(model, to_device(batch, accelerator))
+        nats += batch_nats.double()
+        tokens += batch_tokens.double()
+    model.train(was_training)
+    nats, tokens = accelerator.reduce(nats, "sum"), accelerator.reduce(tokens, "sum")
+    return bits_per_dim(nats.item(), tokens.item())
+
+
+def _compound_split(line: str) -> str:
+    """fairseq's compound_split_bleu.sh: "Haus-Tür" -> "Haus ##AT##-##AT## Tür" (German compounds count as parts)."""
+    return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", line)
+
+
+def bleu_scores(hypotheses: list[str], references: list[str]) -> dict[str, dict]:
+    """Corpus BLEU of detokenised hypotheses against one reference each, four ways, each with its signature:
+
+    - "sacrebleu": the standard sacreBLEU (13a tokenisation, cased) on detokenised text;
+    - "sacrebleu_intl" / "sacrebleu_intl_uncased": tok:intl, cased / lower-cased: seed 001 Table 4's two sacreBLEU
+      columns (BLEU+case.{mixed,lc}+...+tok.intl);
+    - "tokenized_bleu": the "tokenised BLEU" of seed 001 Table 4 / seed 002 Table 4: text tokenised (sacreBLEU's 13a
+      tokeniser standing in for the Moses tokeniser), compounds split at hyphens (fairseq compound_split_bleu.sh),
+      then BLEU with no further tokenisation.
+    """
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    scores = {}
+    for name, options in (("sacrebleu", {}), ("sacrebleu_intl", {"tokenize": "intl"}),
+                          ("sacrebleu_intl_uncased", {"tokenize": "intl", "lowercase": True})):
+        metric = BLEU(**options)
+        scores[name] = _bleu_entry(metric.corpus_score(hypotheses, [references]), str(metric.get_signature()))
+    tokenize = Tokenizer13a()
+    metric = BLEU(tokenize="none")
+    result = metric.corpus_score([_compound_split(tokenize(h)) for h in hypotheses],
+                                 [[_compound_split(tokenize(r)) for r in references]])
+    scores["tokenized_bleu"] = _bleu_entry(result, f"{metric.get_signature()}|pre:13a+compound-split")
+    return scores
+
+
+def _bleu_entry(result, signature: str) -> dict:
+    return {"score": result.score, "signature": signature, "counts": list(result.counts),
+            "totals": list(result.totals), "precisions": [round(p, 4) for p in result.precisions],
+            "bp": result.bp, "sys_len": result.sys_len, "ref_len": result.ref_len}
+
+
+def top1_accuracy(correct: float, total: float) -> float:
+    return correct / max(total, 1)

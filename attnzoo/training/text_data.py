@@ -1,11 +1,16 @@
-"""Byte-level text data: a corpus read as raw bytes, split into train / held-out, cut into fixed-length blocks."""
+"""Token streams for language modelling: raw bytes (id == byte) from a text file or enwik8, or any text dataset
+tokenised and concatenated; cut into fixed-length blocks (optionally overlapping for training, as t2t's enwik8-64K).
+"""
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
 
 def default_corpus_path() -> Path:
@@ -15,34 +20,143 @@ def default_corpus_path() -> Path:
     return Path(pydoc_data.__path__[0]) / "topics.py"
 
 
+def _as_byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
 def read_bytes(path: str | Path | None) -> torch.Tensor:
     path = Path(path) if path is not None else default_corpus_path()
     if not path.is_file():
         raise ValueError(f"--train_file {path} does not exist; pass a text file (or omit it for the default corpus).")
-    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    data = _as_byte_tensor(path.read_bytes())
     if data.numel() < 1024:
         raise ValueError(f"{path} holds {data.numel()} bytes; a byte-level LM needs at least 1 KB of text.")
     return data
 
 
 def split_bytes(data: torch.Tensor, heldout_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first (1 - fraction) of the bytes train, the rest is held out (contiguous, as for enwik8)."""
+    """The first (1 - fraction) of the tokens train, the rest is held out (contiguous, as for enwik8)."""
     if not 0.0 < heldout_fraction < 0.5:
         raise ValueError(f"--heldout_fraction={heldout_fraction} must be in (0, 0.5).")
     cut = int(data.numel() * (1.0 - heldout_fraction))
     return data[:cut], data[cut:]
 
 
-class ByteBlocks(Dataset):
-    """Non-overlapping blocks of `block_size` bytes as `input_ids` (int64); a short tail is dropped."""
+def find_enwik8(data_dir: str | Path | None, train_file: str | Path | None) -> Path:
+    """The enwik8 file: --train_file (the raw file or enwik8.zip), else DATA_DIR/enwik8 or DATA_DIR/enwik8.zip."""
+    candidates = [Path(train_file)] if train_file else []
+    if data_dir:
+        candidates += [Path(data_dir) / "enwik8", Path(data_dir) / "enwik8.zip"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ValueError("enwik8 not found: pass --data_dir holding enwik8 or enwik8.zip (from "
+                     "http://mattmahoney.net/dc/enwik8.zip), or --train_file pointing at either. The Hub copy "
+                     "LTCB/enwik8 is a loading script that datasets >= 4 refuses.")
 
-    def __init__(self, data: torch.Tensor, block_size: int):
-        if data.numel() < block_size:
-            raise ValueError(f"only {data.numel()} bytes for block_size={block_size}; lower --block_size.")
-        self.blocks = data[: data.numel() // block_size * block_size].view(-1, block_size)
+
+def read_enwik8(path: str | Path) -> torch.Tensor:
+    """The raw bytes of enwik8 (the 100M-byte file, or the `enwik8` member of enwik8.zip)."""
+    path = Path(path)
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            member = "enwik8" if "enwik8" in names else names[0]
+            return _as_byte_tensor(archive.read(member))
+    return _as_byte_tensor(path.read_bytes())
+
+
+def split_enwik8(data: torch.Tensor, heldout_bytes: int = ENWIK8_HELDOUT_BYTES) -> dict[str, torch.Tensor]:
+    """train = all but the last 2*n bytes, validation = the n before the last n, test = the last n (bytes, not
+    decoded characters: the split is exact and reproducible)."""
+    if heldout_bytes < 1 or data.numel() <= 2 * heldout_bytes:
+        raise ValueError(f"enwik8 holds {data.numel()} bytes, too few for 2 x --heldout_bytes={heldout_bytes} "
+                         "held-out bytes; the real file has 100,000,000 (use the default 5,000,000).")
+    n = heldout_bytes
+    return {"train": data[: -2 * n], "validation": data[-2 * n: -n], "test": data[-n:]}
+
+
+class TokenBlocks(Dataset):
+    """Blocks of `block_size` tokens as `input_ids` (int64), starting every `stride` tokens (stride = block_size:
+    non-overlapping; a short tail is dropped). Overlapping training windows are what t2t's enwik8-64K uses."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, stride: int | None = None):
+        stride = stride or block_size
+        if block_size < 2:
+            raise ValueError(f"--block_size={block_size} is invalid: a causal LM needs at least 2 tokens per block.")
+        if stride < 1:
+            raise ValueError(f"--train_stride={stride} is invalid: set a positive stride (or 0 for block_size).")
+        if tokens.numel() < block_size:
+            raise ValueError(f"only {tokens.numel()} tokens for --block_size={block_size}; lower --block_size or "
+                             "add data.")
+        self.tokens = tokens
+        self.block_size, self.stride = block_size, stride
+        self.count = (tokens.numel() - block_size) // stride + 1
 
     def __len__(self):
-        return self.blocks.shape[0]
+        return self.count
 
     def __getitem__(self, index):
-        return {"input_ids": self.blocks[index].long()}
+        start = index * self.stride
+        return {"input_ids": self.tokens[start: start + self.block_size].long()}
+
+
+ByteBlocks = TokenBlocks  # the name the first version of train_lm.py used
+
+
+def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool) -> torch.Tensor:
+    """Concatenate the rows of a `datasets` split into one token stream (documents separated by the tokenizer's
+    EOS, or a newline for the byte-level tokenizer), as run_clm's `group_texts` does before cutting blocks."""
+    if text_column not in dataset.column_names:
+        raise ValueError(f"the dataset has no column {text_column!r}; its columns are {dataset.column_names}. "
+                         "Pass --text_column.")
+    if byte_level:
+        return _as_byte_tensor(b"\n".join(str(t).encode("utf-8") for t in dataset[text_column]))
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    encoded = dataset.map(lambda rows: {"ids": [tokenizer(t, add_special_tokens=False).input_ids + separator
+                                                for t in rows[text_column]]},
+                          batched=True, remove_columns=dataset.column_names, desc="tokenizing")
+    return torch.tensor([i for ids in encoded["ids"] for i in ids], dtype=torch.int32)
+
+
+def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train tokens, held-out tokens) for --corpus text: a `datasets` dataset (--dataset_name, or json/csv/
+    parquet files), or raw text files read whole; held out = --validation_file, the dataset's validation split, or
+    the last --heldout_fraction of the training text."""
+    from datasets import load_dataset
+
+    def encode_file(path):
+        if byte_level:
+            return read_bytes(path)
+        text = Path(path).read_text(encoding="utf-8")
+        return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int32)
+
+    train_file, validation_file = args.train_file, args.validation_file
+    is_raw_text = args.dataset_name is None and all(
+        f is None or Path(f).suffix.lower() not in (".json", ".jsonl", ".csv", ".parquet")
+        for f in (train_file, validation_file))
+    if is_raw_text:
+        for path in (train_file, validation_file):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{path} does not exist; pass a text file (or omit --train_file for the default "
+                                 "corpus).")
+        train = encode_file(train_file) if train_file or byte_level else encode_file(default_corpus_path())
+        if validation_file:
+            return train, encode_file(validation_file)
+        return split_bytes(train, args.heldout_fraction)
+
+    if args.dataset_name:
+        raw = load_dataset(args.dataset_name, args.dataset_config_name)
+    else:
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        missing = [f for f in files.values() if not Path(f).is_file()]
+        if missing:
+            raise ValueError(f"{missing} not found; pass existing --train_file / --validation_file paths.")
+        extension = Path(train_file).suffix.lower().lstrip(".")
+        raw = load_dataset({"jsonl": "json"}.get(extension, extension), data_files=files)
+    if "train" not in raw:
+        raise ValueError(f"the dataset has splits {list(raw)}, no 'train' split.")
+    train = tokenize_text_dataset(raw["train"], tokenizer, args.text_column, byte_level)
+    if "validation" in raw:
+        return train, tokenize_text_dataset(raw["validation"], tokenizer, args.text_column, byte_level)
+    return split_bytes(train, args.heldout_fraction)

@@ -1,0 +1,99 @@
+"""Command-line arguments every training script shares (optimisation, schedule, checkpoints, precision, tracking,
+Hub), and their checks. A script adds its data and model arguments, then parses with `parse_with_recipe`."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnzoo.training.tracking import REPORT_TO_CHOICES
+
+FAMILIES = ("softmax", "performer", "reformer", "ra", "lara")
+SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial", "constant",
+              "constant_with_warmup", "inverse_sqrt")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_family: str = "softmax") -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--family", default=default_family,
+                       help=f"attention family of a new model: {', '.join(FAMILIES)} (model_type attnzoo_FAMILY)")
+    group.add_argument("--model_name_or_path", default=None,
+                       help="start from this saved folder or Hub id instead of a new model")
+    group.add_argument("--model", nargs="*", default=[], metavar="NAME=VALUE",
+                       help="config values of a new model, e.g. hidden_size=128 attn_layers=[favor] reversible=true")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Optimisation, schedule, checkpointing, precision, logging and Hub arguments. `defaults` override the
+    generic defaults below for one script (e.g. learning_rate=7e-4 for translation)."""
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--per_device_train_batch_size", type=int, default=8)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--learning_rate", type=float, default=1e-3)
+    g.add_argument("--weight_decay", type=float, default=0.01)
+    g.add_argument("--adam_beta1", type=float, default=0.9)
+    g.add_argument("--adam_beta2", type=float, default=0.999)
+    g.add_argument("--adam_epsilon", type=float, default=1e-8)
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULERS)
+    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--min_learning_rate", type=float, default=0.0,
+                   help="floor of the cosine_with_min_lr schedule (DeiT: 1e-5)")
+    g.add_argument("--max_train_steps", type=int, default=None,
+                   help="optimizer steps (the schedule's length); default: --num_train_epochs epochs")
+    g.add_argument("--num_train_epochs", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
+
+    g = parser.add_argument_group("evaluation, checkpoints and logging")
+    g.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: only at the end)")
+    g.add_argument("--max_eval_batches", type=int, default=0, help="cap evaluation batches per process (0: all)")
+    g.add_argument("--logging_steps", type=int, default=25, help="log the training loss every N steps")
+    g.add_argument("--checkpointing_steps", type=int, default=0, help="save the training state every N steps")
+    g.add_argument("--checkpoints_total_limit", type=int, default=0, help="keep only the newest N (0: all)")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="'latest' (start fresh if there is none) or an OUTPUT_DIR/checkpoints/step_N folder")
+    g.add_argument("--output_dir", default="runs/run")
+    g.add_argument("--report_to", default="auto", choices=REPORT_TO_CHOICES,
+                   help="auto: a metrics.jsonl, plus TensorBoard when installed")
+
+    g = parser.add_argument_group("Hugging Face Hub")
+    g.add_argument("--push_to_hub", action="store_true", help="upload the final model, tokenizer and model card")
+    g.add_argument("--hub_model_id", default=None, help="repository id, e.g. user/attnzoo-enwik8")
+    g.add_argument("--hub_token", default=None, help="default: the HF_TOKEN environment variable / cached login")
+    g.add_argument("--hub_private_repo", action="store_true")
+    g.add_argument("--model_card_template", default=None, help="a Jinja markdown template (default: model_cards/)")
+    parser.set_defaults(**defaults)
+
+
+def check_training_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the argument and what to change."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive integer.")
+    for name in ("eval_steps", "max_eval_batches", "checkpointing_steps", "checkpoints_total_limit",
+                 "num_warmup_steps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set 0 (off) or a positive integer.")
+    if args.logging_steps < 1:
+        raise ValueError(f"--logging_steps={args.logging_steps} is invalid: set a positive integer.")
+    if not args.learning_rate > 0:
+        raise ValueError(f"--learning_rate={args.learning_rate} is invalid: set a positive value.")
+    if args.max_train_steps is None and args.num_train_epochs is None:
+        raise ValueError("set --max_train_steps (optimizer steps) or --num_train_epochs.")
+    if args.max_train_steps is not None and args.max_train_steps < 1:
+        raise ValueError(f"--max_train_steps={args.max_train_steps} is invalid: set a positive integer.")
+    if args.num_train_epochs is not None and not args.num_train_epochs > 0:
+        raise ValueError(f"--num_train_epochs={args.num_train_epochs} is invalid: set a positive number.")
+    if args.family not in FAMILIES and not args.model_name_or_path:
+        raise ValueError(f"--family {args.family!r} is unknown: use one of {FAMILIES}.")
+    if args.model_name_or_path and args.model:
+        raise ValueError("--model NAME=VALUE configures a new model; it cannot change --model_name_or_path "
+                         f"{args.model_name_or_path}. Drop one of them.")
+    if args.mixed_precision == "fp16":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--mixed_precision fp16 needs a CUDA GPU; use bf16 on CPU (or 'no').")
+    if args.lr_scheduler_type == "cosine_with_min_lr" and not 0 <= args.min_learning_rate < args.learning_rate:
+        raise ValueError(f"--min_learning_rate={args.min_learning_rate} must be in [0, --learning_rate).")

@@ -1,0 +1,208 @@
+"""The pieces of a training loop every script shares: the Accelerator, optimizer and schedule, exact resume, the
+stream of training batches that continues where a checkpoint stopped, evaluation shards, saving the final model.
+
+Exact resume rests on four things, all set up here: a seedable sampler (the shuffle order of an epoch depends only
+on seed + epoch), data loaders with their own generators (creating an iterator then never draws from the global RNG
+that dropout and random features use), `accelerator.save_state` (weights incl. buffers such as Performer's redraw
+counter, optimizer, scheduler, RNG states of every process) and skipping the micro-batches already consumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, send_to_device
+from torch.utils.data import DataLoader, Dataset, Subset
+from tqdm.auto import tqdm
+from transformers import AutoConfig, get_scheduler
+
+from attnzoo.training.checkpoints import resolve_resume
+from attnzoo.training.recipes import parse_model_overrides
+from attnzoo.training.tracking import build_trackers
+
+LM_NO_DECAY = ("embed", "position", "cls_token")  # the LM script's historical choice: no decay on any embedding
+VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, position embeddings and the class token
+
+
+def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
+    output_dir = Path(args.output_dir)
+    trackers = build_trackers(args.report_to, output_dir, run_name)
+    return Accelerator(
+        # Without an accelerator device, `cpu=True` is what makes `accelerate launch --multi_gpu` processes join one
+        # gloo process group (MULTI_CPU) instead of each training alone.
+        cpu=not torch.accelerator.is_available(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        project_dir=str(output_dir),
+        log_with=trackers or None,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+
+
+def new_model_config(family: str, values: dict, overrides: list[str]):
+    """A new config of `attnzoo_{family}` from the script's values and the user's `--model NAME=VALUE` overrides."""
+    from transformers import CONFIG_MAPPING
+
+    import attnzoo  # noqa: F401  (registers the families)
+
+    model_type = f"attnzoo_{family}"
+    if model_type not in CONFIG_MAPPING:
+        registered = sorted(t.removeprefix("attnzoo_") for t in CONFIG_MAPPING.keys() if t.startswith("attnzoo_"))
+        raise ValueError(f"--family {family}: {model_type} is not registered in this installation; use one of "
+                         f"{registered}.")
+    user_values = parse_model_overrides(overrides)
+    # PreTrainedConfig keeps unknown keyword arguments as attributes, so a misspelt field would be silently ignored.
+    defaults = CONFIG_MAPPING[model_type]()
+    unknown = sorted(k for k in user_values if not hasattr(defaults, k))
+    if unknown:
+        raise ValueError(f"--model {unknown}: not fields of {model_type}'s config; check the spelling (fields are "
+                         f"documented in attnzoo.{type(defaults).__name__}).")
+    return AutoConfig.for_model(model_type, **{**values, **user_values})
+
+
+def train_loader(dataset: Dataset, batch_size: int, seed: int, collate_fn=None, drop_last: bool = True) -> DataLoader:
+    """A shuffled loader with its own generator (accelerate replaces the sampler by a seedable one)."""
+    if len(dataset) < batch_size and drop_last:
+        raise ValueError(f"{len(dataset)} training examples cannot fill one batch of {batch_size}; lower "
+                         "--per_device_train_batch_size or add data.")
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=drop_last, collate_fn=collate_fn,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def eval_loader(dataset: Dataset, batch_size: int, accelerator: Accelerator, collate_fn=None) -> DataLoader:
+    """This process's share of an evaluation set (examples rank, rank + world, ...): no example is duplicated
+    across processes, so summed metrics are exact. Not passed to `prepare`; move batches with `to_device`."""
+    shard = Subset(dataset, range(accelerator.process_index, len(dataset), accelerator.num_processes))
+    return DataLoader(shard, batch_size=batch_size, collate_fn=collate_fn, generator=torch.Generator())
+
+
+def to_device(batch, accelerator: Accelerator):
+    return send_to_device(batch, accelerator.device)
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, no_decay_name_parts=LM_NO_DECAY) -> list:
+    """Two AdamW groups: decay on weight matrices, none on biases, norms (all 1-D) and names containing any of
+    `no_decay_name_parts`."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        skip = param.dim() < 2 or any(part in name for part in no_decay_name_parts)
+        (no_decay if skip else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model, args, no_decay_name_parts=LM_NO_DECAY) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(optimizer_param_groups(model, args.weight_decay, no_decay_name_parts),
+                             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+
+
+def optimizer_steps_per_epoch(num_batches: int, gradient_accumulation_steps: int) -> int:
+    """accelerate syncs at the end of each epoch, so a partial accumulation group is one more optimizer step."""
+    return math.ceil(num_batches / gradient_accumulation_steps)
+
+
+def total_train_steps(args, num_batches_per_process: int) -> int:
+    """--max_train_steps, or --num_train_epochs over the sharded loader (call after `accelerator.prepare`)."""
+    if args.max_train_steps is not None:
+        return args.max_train_steps
+    per_epoch = optimizer_steps_per_epoch(num_batches_per_process, args.gradient_accumulation_steps)
+    return max(1, math.ceil(args.num_train_epochs * per_epoch))
+
+
+def build_scheduler(optimizer, args, num_training_steps: int, num_processes: int = 1):
+    """transformers' schedules. Stepping happens once per optimizer step on each process, so the lengths are
+    multiplied by the process count the way accelerate's prepared scheduler expects (it steps `num_processes` times
+    per call unless `split_batches`)."""
+    specific = {"min_lr": args.min_learning_rate} if args.lr_scheduler_type == "cosine_with_min_lr" else None
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.num_warmup_steps * num_processes,
+                         num_training_steps=num_training_steps * num_processes, scheduler_specific_kwargs=specific)
+
+
+def resume_if_asked(accelerator: Accelerator, args) -> int:
+    """Load the checkpoint `--resume_from_checkpoint` names (after `prepare`); returns the step it was taken at."""
+    folder, step = resolve_resume(args.output_dir, args.resume_from_checkpoint)
+    if folder is not None:
+        accelerator.load_state(str(folder))
+        accelerator.print(f"resumed from {folder} at step {step}")
+    return step
+
+
+def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int) -> Iterator:
+    """Training micro-batches forever (epoch after epoch), starting right after optimizer step `start_step`.
+
+    The epoch's shuffle is the seedable sampler's for that epoch, and the micro-batches of the steps already done are
+    skipped without being loaded, so a resumed run sees exactly the batches an uninterrupted one would.
+    """
+    per_epoch = optimizer_steps_per_epoch(len(loader), accelerator.gradient_accumulation_steps)
+    if per_epoch == 0:
+        raise ValueError(f"each of the {accelerator.num_processes} processes gets no full training batch; lower "
+                         "--per_device_train_batch_size or add data.")
+    epoch, done = divmod(start_step, per_epoch)
+    while True:
+        loader.set_epoch(epoch)
+        if done:
+            yield from accelerator.skip_first_batches(loader, done * accelerator.gradient_accumulation_steps)
+        else:
+            yield from loader
+        epoch, done = epoch + 1, 0
+
+
+class RunningMean:
+    """Sums detached per-step losses on the device and reads them back only when logging (no per-step sync); the
+    logged value is the mean over processes too."""
+
+    def __init__(self):
+        self.total, self.count = None, 0
+
+    def add(self, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.total = value if self.total is None else self.total + value
+        self.count += 1
+
+    def pop(self, accelerator: Accelerator) -> float | None:
+        if self.count == 0:
+            return None
+        mean = accelerator.reduce(self.total / self.count, "mean").item()
+        self.total, self.count = None, 0
+        return mean
+
+
+def training_record(accelerator: Accelerator, args, step: int, max_steps: int, train_loss: RunningMean, scheduler,
+                    started: float, progress=None) -> dict:
+    """The values to log after optimizer step `step`: the mean training loss since the last log, the learning rate
+    and the elapsed time every --logging_steps steps and at the last step; {} otherwise. The script adds its
+    evaluation metric every --eval_steps steps and logs the record if it is not empty."""
+    if step % args.logging_steps and step != max_steps:
+        return {}
+    record = {"train_loss": train_loss.pop(accelerator), "lr": scheduler.get_last_lr()[0],
+              "elapsed_s": round(time.time() - started, 1)}
+    if progress is not None and record["train_loss"] is not None:
+        progress.set_postfix(loss=f"{record['train_loss']:.3f}")
+    return record
+
+
+def progress_bar(accelerator: Accelerator, total: int, initial: int, desc: str = "train"):
+    return tqdm(total=total, initial=initial, desc=desc, disable=not accelerator.is_local_main_process,
+                dynamic_ncols=True)
+
+
+def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, tokenizer=None, state_dict=None):
+    """`save_pretrained` of the unwrapped model (full weights, also under FSDP) plus the tokenizer; returns the
+    unwrapped model."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    if state_dict is None:
+        state_dict = accelerator.get_state_dict(model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save, state_dict=state_dict)
+    if tokenizer is not None and accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+    accelerator.wait_for_everyone()
+    return unwrapped

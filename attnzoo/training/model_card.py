@@ -1,0 +1,97 @@
+"""Model cards: a `huggingface_hub.ModelCard` rendered from a `model_cards/` template, with the measured metrics
+as `model-index` results (`EvalResult`), the recipe and the training steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "model_cards"
+
+PAPERS = {
+    "reformer": "Kitaev, Kaiser, Levskaya. Reformer: The Efficient Transformer. ICLR 2020.",
+    "performer": "Choromanski et al. Rethinking Attention with Performers. ICLR 2021.",
+    "ra": "Zheng, Wang, Kong. Linear Complexity Randomized Self-attention Mechanism. ICML 2022.",
+    "lara": "Zheng, Wang, Kong. Linear Complexity Randomized Self-attention Mechanism. ICML 2022.",
+    "softmax": "Vaswani et al. Attention Is All You Need. NeurIPS 2017.",
+}
+
+
+def template_path(name: str, override: str | None = None) -> Path:
+    path = Path(override) if override else TEMPLATE_DIR / f"{name}.md"
+    if not path.is_file():
+        raise ValueError(f"model card template {path} not found; pass --model_card_template FILE.md.")
+    return path
+
+
+def family_of(config) -> str:
+    return str(config.model_type).removeprefix("attnzoo_")
+
+
+def architecture_summary(config, num_parameters: int) -> str:
+    """One line a reader can compare across families."""
+    parts = [f"{config.model_type}", f"{num_parameters / 1e6:.2f}M parameters",
+             f"{config.num_hidden_layers} layers", f"hidden {config.hidden_size}",
+             f"{config.num_attention_heads} heads", f"FFN {config.intermediate_size}",
+             f"attention {list(config.attn_layers)}"]
+    if getattr(config, "is_encoder_decoder", False):
+        parts.append(f"decoder {config.num_decoder_layers} layers, attention {list(config.decoder_attn_layers)}")
+    if config.reversible:
+        parts.append("reversible residual layers")
+    parts.append(f"{config.position_embedding_type} positions")
+    return ", ".join(parts)
+
+
+def recipe_text(args) -> str:
+    """The recipe file as written (if any) and the resolved arguments, as YAML."""
+    resolved = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
+                if k not in ("hub_token",)}
+    text = ""
+    if getattr(args, "recipe", None):
+        text += f"# recipe file: {args.recipe}\n{Path(args.recipe).read_text().rstrip()}\n\n"
+    return text + "# resolved arguments\n" + yaml.safe_dump(resolved, sort_keys=True)
+
+
+def build_model_card(template: str, *, args, config, num_parameters: int, results: dict,
+                     eval_results: list[EvalResult], pipeline_tag: str, datasets: list[str] | None = None,
+                     language=None, extra_tags: list[str] | None = None, **template_kwargs) -> ModelCard:
+    family = family_of(config)
+    repo_id = args.hub_model_id or Path(args.output_dir).absolute().name
+    card_data = ModelCardData(
+        language=language, license="apache-2.0", library_name="transformers", pipeline_tag=pipeline_tag,
+        tags=["attnzoo", config.model_type, "efficient-attention", *(extra_tags or [])],
+        datasets=datasets or None, model_name=repo_id, eval_results=eval_results or None,
+        base_model=args.model_name_or_path if getattr(args, "model_name_or_path", None) else None,
+    )
+    return ModelCard.from_template(
+        card_data, template_path=str(template_path(template, getattr(args, "model_card_template", None))),
+        model_id=repo_id, family=family, paper=PAPERS.get(family, ""),
+        architecture=architecture_summary(config, num_parameters), results=results,
+        results_json=json.dumps(results, indent=2, default=str), recipe=recipe_text(args),
+        steps=results.get("train_steps"), **template_kwargs,
+    )
+
+
+def bits_per_dim_result(value: float, dataset_name: str, dataset_type: str, split: str,
+                        task_type: str = "text-generation", config: str | None = None) -> EvalResult:
+    return EvalResult(task_type=task_type, task_name="density estimation (bits/dim)", dataset_type=dataset_type,
+                      dataset_name=dataset_name, dataset_split=split, dataset_config=config,
+                      metric_type="bits_per_dim", metric_name="bits/dim", metric_value=round(float(value), 4))
+
+
+def bleu_results(bleu: dict, dataset_name: str, dataset_type: str, split: str, config: str | None) -> list:
+    """One EvalResult per BLEU variant, each with its sacreBLEU signature as `metric_config`."""
+    return [EvalResult(task_type="translation", task_name="Translation", dataset_type=dataset_type,
+                       dataset_name=dataset_name, dataset_config=config, dataset_split=split,
+                       metric_type="bleu", metric_name=name, metric_value=round(float(entry["score"]), 2),
+                       metric_config=entry["signature"])
+            for name, entry in bleu.items()]
+
+
+def top1_result(value: float, dataset_name: str, dataset_type: str, split: str) -> EvalResult:
+    return EvalResult(task_type="image-classification", task_name="Image Classification", dataset_type=dataset_type,
+                      dataset_name=dataset_name, dataset_split=split, metric_type="accuracy",
+                      metric_name="top-1 accuracy", metric_value=round(float(value), 4))

@@ -1,0 +1,175 @@
+"""Shared helpers of the tests/test_scripts_*.py end-to-end tests: loading a script as a module, tiny models,
+small offline data sets, comparing saved weights, and `accelerate launch` subprocesses."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+FAMILIES = ("softmax", "performer")  # the families registered today; reformer/ra/lara arrive later
+
+TINY = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=64"]
+PERFORMER_TINY = ["num_random_features=16", "linear_attention_chunk_size=16"]
+QUIET = ["--report_to", "jsonl"]
+
+
+def tiny_model(family: str, *extra: str) -> list[str]:
+    return ["--family", family, "--model", *TINY, *(PERFORMER_TINY if family == "performer" else []), *extra]
+
+
+def load_script(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, argv: list[str]):
+    return load_script(name).main([str(a) for a in argv])
+
+
+def weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def max_weight_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_identical_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"weights differ: {different[:5]} (max |diff| {max_weight_difference(a, b):.3g})"
+
+
+def results(folder: str | Path) -> dict:
+    return json.loads((Path(folder) / "all_results.json").read_text())
+
+
+# -- data ---------------------------------------------------------------------------------------------------------
+def english_text() -> bytes:
+    """Real English prose from CPython's pydoc topics (the quick-start corpus), for byte-level LMs."""
+    from attnzoo.training.text_data import default_corpus_path
+
+    return default_corpus_path().read_bytes()
+
+
+def write_enwik8_zip(folder: Path, num_bytes: int = 60_000) -> Path:
+    """An enwik8.zip-shaped archive (member "enwik8") holding `num_bytes` of English text."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "enwik8.zip"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("enwik8", english_text()[:num_bytes])
+    return path
+
+
+def write_pixel_arrays(folder: Path, image_size: int = 4, train: int = 24, validation: int = 6) -> tuple[Path, Path]:
+    """Downsampled-ImageNet-shaped .npz files ('data': [N, 3*S*S] planar rows) of smooth random colour images."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for name, count in (("train_data_batch_1.npz", train), ("val_data.npz", validation)):
+        base = rng.integers(0, 256, size=(count, 3, 1, 1))
+        noise = rng.integers(-20, 21, size=(count, 3, image_size, image_size))
+        images = np.clip(base + noise, 0, 255).astype(np.uint8)
+        np.savez(folder / name, data=images.reshape(count, -1), labels=np.zeros(count, dtype=np.int64))
+        paths.append(folder / name)
+    return paths[0], paths[1]
+
+
+GERMAN_UNITS = ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun", "zehn", "elf",
+                "zwölf", "dreizehn", "vierzehn", "fünfzehn", "sechzehn", "siebzehn", "achtzehn", "neunzehn"]
+GERMAN_TENS = ["", "", "zwanzig", "dreißig", "vierzig", "fünfzig", "sechzig", "siebzig", "achtzig", "neunzig"]
+ENGLISH_UNITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                 "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+ENGLISH_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+
+def number_words(n: int) -> tuple[str, str]:
+    """(English, German) words of 0 <= n < 1000: a deterministic real translation task."""
+    def en(k):
+        if k < 20:
+            return ENGLISH_UNITS[k]
+        if k < 100:
+            return ENGLISH_TENS[k // 10] + ("-" + ENGLISH_UNITS[k % 10] if k % 10 else "")
+        return ENGLISH_UNITS[k // 100] + " hundred" + (" " + en(k % 100) if k % 100 else "")
+
+    def de(k):  # "eins" alone, "ein" before "und"/"hundert"
+        if k < 20:
+            return GERMAN_UNITS[k]
+        if k < 100:
+            unit = k % 10
+            return ((("ein" if unit == 1 else GERMAN_UNITS[unit]) + "und") if unit else "") + GERMAN_TENS[k // 10]
+        return ("ein" if k // 100 == 1 else GERMAN_UNITS[k // 100]) + "hundert" + (de(k % 100) if k % 100 else "")
+
+    return en(n), de(n)
+
+
+def write_parallel_corpus(folder: Path, pairs: int = 400) -> dict[str, Path]:
+    """WMT-schema JSON lines: real en-de message pairs from the system's gettext catalogs when present, otherwise
+    English/German number words ("twenty-one" -> "einundzwanzig")."""
+    folder.mkdir(parents=True, exist_ok=True)
+    catalogs = Path("/usr/share/locale/de/LC_MESSAGES")
+    if catalogs.is_dir() and len(list(catalogs.glob("*.mo"))) >= 5:
+        prepare = load_script("prepare_gettext_corpus")
+        prepare.write_corpus(folder, catalogs, max_chars=60, validation_per_mille=40, test_per_mille=40,
+                             max_pairs=pairs)
+    else:
+        rows = {"train": [], "validation": [], "test": []}
+        for n in range(pairs):
+            english, german = number_words(n % 1000)
+            split = "validation" if n % 25 == 0 else "test" if n % 25 == 1 else "train"
+            rows[split].append({"translation": {"de": german, "en": english}})
+        for split, items in rows.items():
+            (folder / f"{split}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in items))
+    return {split: folder / f"{split}.jsonl" for split in ("train", "validation", "test")}
+
+
+def write_image_folders(folder: Path, image_size: int = 16, per_class: int = 6, validation: int = 2) -> Path:
+    load_script("prepare_glyph_images").write_glyph_folder(folder, image_size, per_class, validation, seed=0)
+    return folder
+
+
+# -- subprocesses ---------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", **extra}
+    return env
+
+
+def accelerate_command(script: str, argv: list, num_processes: int = 1) -> list[str]:
+    """`accelerate launch`; several processes on CPU need --multi_gpu (gloo) and a free port."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", "--num_processes", str(num_processes)]
+    if num_processes > 1:
+        launch += ["--multi_gpu", "--main_process_port", str(free_port())]
+    return [*launch, str(SCRIPTS / f"{script}.py"), *[str(a) for a in argv]]
+
+
+def launch(script: str, argv: list, num_processes: int = 1, env: dict | None = None, timeout: int = 600):
+    done = subprocess.run(accelerate_command(script, argv, num_processes), capture_output=True, text=True,
+                          env=env or script_env(), timeout=timeout, cwd=ROOT)
+    assert done.returncode == 0, (f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
+                                  f"stderr:\n{done.stderr[-5000:]}")
+    return done

@@ -1,0 +1,272 @@
+"""scripts/train_lm.py end to end: enwik8-64K-shaped data, imagenet64-style pixel LM, text-dataset fine-tuning,
+exact resume (in process, and after SIGKILL), 1 vs 2 processes, for the softmax and Performer families."""
+
+import json
+import math
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnzoo.training.image_data import PIXEL_START_TOKEN, PixelSequences, to_hwc_uint8
+from attnzoo.training.metrics import summed_token_nats
+from attnzoo.training.tracking import read_metrics
+from tests.scripts_helpers import (
+    FAMILIES,
+    QUIET,
+    TINY,
+    accelerate_command,
+    assert_identical_weights,
+    english_text,
+    launch,
+    max_weight_difference,
+    results,
+    run_script,
+    script_env,
+    tiny_model,
+    weights,
+    write_enwik8_zip,
+    write_pixel_arrays,
+)
+
+SHORT = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--num_warmup_steps", "2",
+         "--learning_rate", "3e-3", "--sample_tokens", "0", *QUIET]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_enwik8_split_blocks_and_test_bits_per_dim(tmp_path, family):
+    write_enwik8_zip(tmp_path / "data", num_bytes=60_000)
+    out = tmp_path / "run"
+    bpd = run_script("train_lm", ["--corpus", "enwik8", "--data_dir", tmp_path / "data", "--heldout_bytes", "2000",
+                                  "--block_size", "64", "--train_stride", "32", "--max_train_steps", "12",
+                                  "--logging_steps", "6", "--output_dir", out, *tiny_model(family), *SHORT])
+    found = results(out)
+    assert found["eval_bits_per_dim"] == bpd and found["family"] == family and found["train_steps"] == 12
+    assert 0 < found["test_bits_per_dim"] < 8.5 and 0 < bpd < 8.5  # an untrained byte model is at ~8
+    # 56,000 training bytes in 64-byte windows every 32 bytes (t2t's overlapping enwik8 windows)
+    assert found["num_train_sequences"] == (56_000 - 64) // 32 + 1
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [6, 12]
+    card = (out / "README.md").read_text()
+    assert "bits_per_dim" in card and f"value: {round(found['test_bits_per_dim'], 4)}" in card
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == f"attnzoo_{family}"
+    assert (out / "curves.png").stat().st_size > 1000
+    # evaluate.py reads the data arguments from the run's training_args.json
+    evaluated = run_script("evaluate", ["--model_name_or_path", out, "--split", "test"])
+    assert evaluated["task"] == "lm" and evaluated["corpus"] == "enwik8"
+    assert evaluated["bits_per_dim"] == pytest.approx(found["test_bits_per_dim"], rel=1e-6)
+
+
+def test_enwik8_split_is_the_standard_byte_split(tmp_path):
+    from attnzoo.training.text_data import TokenBlocks, read_enwik8, split_enwik8
+
+    path = write_enwik8_zip(tmp_path, num_bytes=30_000)
+    data = read_enwik8(path)
+    assert bytes(data.numpy()) == english_text()[:30_000]
+    splits = split_enwik8(data, heldout_bytes=5_000)
+    assert [s.numel() for s in splits.values()] == [20_000, 5_000, 5_000]
+    assert torch.equal(torch.cat(list(splits.values())), data)
+    blocks = TokenBlocks(splits["train"], 1000, stride=250)
+    assert len(blocks) == (20_000 - 1000) // 250 + 1
+    assert torch.equal(blocks[1]["input_ids"], splits["train"][250:1250].long())
+    with pytest.raises(ValueError, match="heldout_bytes"):
+        split_enwik8(data, heldout_bytes=20_000)
+
+
+def test_pixel_sequences_predict_every_sub_pixel():
+    """[N, 3*S*S] planar rows become HWC images; each image is a start token + S*S*3 sub-pixels in raster order
+    and every sub-pixel (the first one included) is a predicted token."""
+    planar = np.arange(2 * 3 * 2 * 2).reshape(2, 12) % 256
+    images = to_hwc_uint8(planar, 2)
+    assert images.shape == (2, 2, 2, 3) and images[0, 0, 1].tolist() == [1, 5, 9]  # R, G, B of pixel (0, 1)
+    item = PixelSequences(images)[1]
+    assert item["input_ids"][0] == PIXEL_START_TOKEN and item["input_ids"][1:].tolist() == images[1].ravel().tolist()
+    assert item["labels"][0] == -100
+    from attnzoo.training.loop import new_model_config
+
+    model = AutoModelForCausalLM.from_config(new_model_config("softmax", dict(vocab_size=257,
+                                                                              max_position_embeddings=13), TINY_CFG))
+    batch = {k: torch.stack([PixelSequences(images)[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
+    nats, count = summed_token_nats(model.eval(), batch)
+    assert count == 2 * 12
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten(),
+                                                 reduction="sum")
+    torch.testing.assert_close(nats, expected, rtol=1e-5, atol=1e-4)
+
+
+TINY_CFG = ["hidden_size=32", "num_hidden_layers=1", "num_attention_heads=2", "intermediate_size=64"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imagenet64_style_pixel_lm_from_npz(tmp_path, family):
+    train, validation = write_pixel_arrays(tmp_path / "npz", image_size=4)
+    out = tmp_path / "run"
+    bpd = run_script("train_lm", ["--corpus", "imagenet64", "--image_size", "4", "--train_file", train,
+                                  "--validation_file", validation, "--max_train_steps", "8", "--output_dir", out,
+                                  *tiny_model(family), *SHORT])
+    found = results(out)
+    assert found["sequence_length"] == 4 * 4 * 3 + 1 and found["image_size"] == 4
+    assert 0 < bpd < 8.5
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == 257 and model.config.max_position_embeddings == 49
+    evaluated = run_script("evaluate", ["--model_name_or_path", out, "--per_device_eval_batch_size", "2"])
+    assert evaluated["bits_per_dim"] == pytest.approx(bpd, rel=1e-5) and evaluated["sequences"] == 6
+    assert "unconditional-image-generation" in (out / "README.md").read_text()
+
+
+def test_bf16_mixed_precision_run(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(english_text()[:4_000])
+    out = tmp_path / "run"
+    bpd = run_script("train_lm", ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "4",
+                                  "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2",
+                                  "--output_dir", out, *tiny_model("performer"), *SHORT])
+    assert math.isfinite(bpd) and 0 < bpd < 9
+    saved = weights(out)
+    assert all(w.dtype == torch.float32 for w in saved.values() if w.is_floating_point()), \
+        "mixed precision keeps float32 master weights"
+
+
+def test_pixel_lm_from_an_image_folder(tmp_path):
+    from PIL import Image
+
+    for split, count in (("train", 8), ("val", 2)):
+        (tmp_path / split / "any_class").mkdir(parents=True)
+        for i in range(count):
+            colour = (30 * i % 256, 200, 90)
+            Image.new("RGB", (10, 7), colour).save(tmp_path / split / "any_class" / f"{i}.png")  # resized to 4x4
+    out = tmp_path / "run"
+    run_script("train_lm", ["--corpus", "imagenet64", "--image_size", "4", "--train_dir", tmp_path / "train",
+                            "--validation_dir", tmp_path / "val", "--max_train_steps", "3", "--output_dir", out,
+                            *tiny_model("softmax"), *SHORT])
+    assert results(out)["sequence_length"] == 49
+
+
+def test_fine_tunes_from_a_checkpoint_on_a_json_text_dataset(tmp_path):
+    text = english_text()[:40_000].decode("utf-8", errors="ignore")
+    paragraphs = [text[i: i + 500] for i in range(0, len(text), 500)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"body": p}) + "\n" for p in paragraphs[:-20]))
+    (tmp_path / "valid.jsonl").write_text("".join(json.dumps({"body": p}) + "\n" for p in paragraphs[-20:]))
+    base = tmp_path / "base"
+    first = run_script("train_lm", ["--train_file", tmp_path / "train.jsonl", "--validation_file",
+                                    tmp_path / "valid.jsonl", "--text_column", "body", "--block_size", "64",
+                                    "--max_train_steps", "15", "--output_dir", base, *tiny_model("performer"),
+                                    *SHORT])
+    tuned = tmp_path / "tuned"
+    second = run_script("train_lm", ["--model_name_or_path", base, "--train_file", tmp_path / "train.jsonl",
+                                     "--validation_file", tmp_path / "valid.jsonl", "--text_column", "body",
+                                     "--block_size", "64", "--max_train_steps", "15", "--output_dir", tuned,
+                                     "--num_warmup_steps", "2", "--sample_tokens", "0", *QUIET])
+    assert results(tuned)["family"] == "performer"
+    assert second < first, "fine-tuning the checkpoint must improve on it (it starts from its weights)"
+    card = (tuned / "README.md").read_text()
+    assert f"base_model: {base}" in card
+
+
+def _resume_args(corpus, family, out, *extra):
+    return ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "10", "--checkpointing_steps", "4",
+            "--gradient_accumulation_steps", "3", "--heldout_fraction", "0.2", "--logging_steps", "2",
+            "--max_eval_batches", "1", "--output_dir", out,
+            *tiny_model(family, "hidden_dropout_prob=0.1", *extra), *SHORT]
+
+
+@pytest.mark.parametrize("family,extra", [("softmax", ()), ("performer", ()),
+                                          ("performer", ("feature_redraw=interval", "feature_redraw_interval=3"))])
+def test_resume_from_a_checkpoint_gives_identical_weights(tmp_path, family, extra):
+    """Dropout, Performer's per-step feature draws (or its redraw counter buffer), gradient accumulation with a
+    partial last group, and an epoch boundary (33 sequences / batch 4 / 3 = 3 steps per epoch) between checkpoint
+    and end: the resumed run must end bit-identical to the uninterrupted one."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(english_text()[:1350])
+    run_script("train_lm", _resume_args(corpus, family, tmp_path / "full", *extra))
+    import shutil
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    run_script("train_lm", [*_resume_args(corpus, family, resumed, *extra), "--resume_from_checkpoint", "latest"])
+    assert_identical_weights(weights(tmp_path / "full"), weights(resumed))
+    assert results(resumed)["eval_bits_per_dim"] == results(tmp_path / "full")["eval_bits_per_dim"]
+
+
+def test_bad_arguments_say_what_to_change(tmp_path):
+    base = ["--output_dir", tmp_path / "o", *SHORT]
+    cases = [
+        (["--corpus", "enwik8", "--data_dir", tmp_path], "enwik8 not found"),
+        (["--corpus", "imagenet64"], "needs images"),
+        (["--per_device_train_batch_size", "0"], "per_device_train_batch_size"),
+        (["--model", "hidden_sise=32"], "hidden_sise"),
+        (["--family", "nosuch"], "--family"),
+        (["--mixed_precision", "fp16"], "bf16"),
+        (["--max_train_steps", "0"], "max_train_steps"),
+        (["--block_size", "100000", "--max_train_steps", "3"], "block_size"),
+    ]
+    for extra, message in cases:
+        if message == "bf16" and torch.cuda.is_available():
+            continue
+        with pytest.raises(ValueError, match=message):
+            run_script("train_lm", [*base, *extra])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rat: 0.1\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        run_script("train_lm", ["--recipe", recipe, *base])
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_its_last_checkpoint_to_identical_weights(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(english_text()[:40_000])
+    args = ["--train_file", corpus, "--block_size", "64", "--max_train_steps", "60", "--checkpointing_steps", "5",
+            "--per_device_train_batch_size", "8", *tiny_model("performer", "hidden_dropout_prob=0.1"),
+            "--max_eval_batches", "2", "--num_warmup_steps", "2", "--sample_tokens", "0", *QUIET]
+    # The reference runs in the same kind of process (thread count, hence float summation order) as the killed one.
+    launch("train_lm", [*args, "--output_dir", tmp_path / "full"])
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(accelerate_command("train_lm", [*args, "--output_dir", killed]), env=script_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_10").is_dir() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    import os
+
+    os.killpg(process.pid, signal.SIGKILL)  # the launcher and the training process, mid-run
+    process.wait()
+    assert not (killed / "model.safetensors").exists(), "the run finished before it could be killed"
+    done = launch("train_lm", [*args, "--output_dir", killed, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in done.stdout
+    assert_identical_weights(weights(tmp_path / "full"), weights(killed))
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path):
+    """DDP over gloo (accelerate launch --multi_gpu --num_processes 2) with a reversible model: same data order, same
+    gradients (mean over both shards), same schedule, so the weights agree to float rounding."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(english_text()[:8_000])
+    args = ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "6", "--heldout_fraction", "0.1",
+            "--logging_steps", "3", *tiny_model("softmax", "hidden_dropout_prob=0.0", "reversible=true"),
+            "--num_warmup_steps", "2", "--sample_tokens", "0", "--per_device_eval_batch_size", "4", *QUIET]
+    launch("train_lm", [*args, "--per_device_train_batch_size", "8", "--output_dir", tmp_path / "one"])
+    two = launch("train_lm", [*args, "--per_device_train_batch_size", "4", "--output_dir", tmp_path / "two"],
+                 num_processes=2)
+    assert "2 process(es)" in two.stdout
+    one_weights, two_weights = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max_weight_difference(one_weights, two_weights) < 1e-5
+    # The same initial weights the script builds (set_seed, then the model): training moved them by far more than
+    # the tolerance, so agreement is not vacuous.
+    from accelerate.utils import set_seed
+
+    from attnzoo.training.loop import new_model_config
+
+    set_seed(0)
+    config = new_model_config("softmax", dict(vocab_size=256, max_position_embeddings=32, is_decoder=True),
+                              [*TINY, "hidden_dropout_prob=0.0", "reversible=true"])
+    initial = AutoModelForCausalLM.from_config(config).state_dict()
+    assert max_weight_difference({k: initial[k] for k in one_weights}, one_weights) > 1e-3
+    assert results(tmp_path / "two")["num_processes"] == 2
+    assert math.isclose(results(tmp_path / "one")["eval_bits_per_dim"],
+                        results(tmp_path / "two")["eval_bits_per_dim"], rel_tol=1e-5)

@@ -69,7 +69,7 @@ def test_deit_recipe_numbers():
     assert (args.auto_augment, args.mixup, args.cutmix, args.label_smoothing, args.reprob, args.drop_path_rate) == \
         ("rand-m9-mstd0.5-inc1", 0.8, 1.0, 0.1, 0.25, 0.1)
     assert args.num_train_epochs == 300 and args.num_warmup_epochs == 10 and args.min_learning_rate == 1e-5
-    assert "num_landmarks=49" in args.model and "pooling=mean" in args.model
+    assert "lara_num_samples=49" in args.model and "pooling=mean" in args.model
 
 
 def test_randaugment_posterize_at_zero_bits_does_not_crash():

@@ -27,7 +27,33 @@ def new_encoder_decoder_cache(decoder) -> EncoderDecoderCache:
     return EncoderDecoderCache(ZooCache.for_transformer(decoder), DynamicCache())
 
 
-class RecurrentStateLayer(CacheLayerMixin):
+class SelfManagedCacheLayer(CacheLayerMixin):
+    """A cache slot that its attention module fills itself (prefill/decode methods of its own) instead of through
+    `update(keys, values)`. It counts the positions it has seen, padding included, so `get_seq_length()` and the
+    attention mask's length agree and generate() can use it."""
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is filled by its attention module, not by update().")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RecurrentStateLayer(SelfManagedCacheLayer):
     """A cache slot for attentions that decode from a fixed-size state instead of stored keys and values
     (linear attention's S and z, say). `state` holds tensors with a leading batch dimension, which beam search
     reorders; `shared` holds per-sequence constants without one (e.g. the random projection used at prefill, so a
@@ -40,30 +66,14 @@ class RecurrentStateLayer(CacheLayerMixin):
         super().__init__()
         self.state: dict[str, torch.Tensor] = {}
         self.shared: dict[str, torch.Tensor] = {}
-        self.seen_tokens = 0
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("a recurrent state layer holds no keys/values; use `store` and `state`")
 
     def store(self, new_tokens: int, **tensors: torch.Tensor) -> None:
         self.state.update(tensors)
-        self.seen_tokens += new_tokens
+        self.length += new_tokens
         self.is_initialized = True
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen_tokens + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen_tokens
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
-        self.state, self.shared, self.seen_tokens = {}, {}, 0
+        self.state, self.shared, self.length = {}, {}, 0
 
     def _map(self, fn) -> None:
         self.state = {name: fn(t) for name, t in self.state.items()}

@@ -20,11 +20,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
 from attnzoo.configuration.base import _fail
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
+from attnzoo.modeling.cache import SelfManagedCacheLayer
 
 
 def leading_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -157,31 +157,11 @@ class LocalAttention(ZooAttention):
         return LocalCacheLayer()
 
 
-class LocalCacheLayer(CacheLayerMixin):
+class LocalCacheLayer(SelfManagedCacheLayer):
     """Ring buffers of the last (chunks_before + 1) * chunk_length keys and values of each sequence; a token at chunk
     position p (its index minus the row's leading padding) lives in slot p mod size."""
 
     is_croppable = False
-
-    def __init__(self):
-        super().__init__()
-        self.length = 0
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("LocalCacheLayer is filled by LocalAttention itself (prefill/decode).")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     def _store(self, keys, values, chunk_positions, keep) -> None:
         """Write tokens whose `keep` is True into slot chunk_position mod size (later tokens win)."""

@@ -45,11 +45,11 @@ import math
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
 from attnzoo.configuration.base import _fail
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
+from attnzoo.modeling.cache import SelfManagedCacheLayer
 
 #: Above this many buckets the default bucket count is factorised (trax does the same at 128), so the rotation
 #: matrix and the rotated vectors stay small.
@@ -387,33 +387,12 @@ class LSHAttention(ZooAttention):
         return LSHCacheLayer()
 
 
-class LSHCacheLayer(CacheLayerMixin):
+class LSHCacheLayer(SelfManagedCacheLayer):
     """Decoding state of one LSH layer: shared-QK vectors and values of every cached token (in buffers that grow
     by doubling), their buckets, the rotations of each sequence, and per (sequence, head, round, bucket) the
     indices of the most recent keys (see the module docstring)."""
 
     is_croppable = True
-
-    def __init__(self):
-        super().__init__()
-        self.length = 0
-
-    # The mixin's abstract interface; the attention module drives this layer through `prefill` and `decode`.
-    def lazy_initialization(self, key_states, value_states) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("LSHCacheLayer is filled by LSHAttention itself (prefill/decode).")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
 
     # -- state ----------------------------------------------------------------------------------------------
     def _tensors(self) -> list[str]:

@@ -43,6 +43,7 @@ from attnzoo.training.loop import (
     train_batches,
     train_loader,
     training_record,
+    training_step,
 )
 from attnzoo.training.metrics import top1_accuracy
 from attnzoo.training.model_card import build_model_card, top1_result
@@ -237,14 +238,8 @@ def main(argv=None):
             pixels, targets = mixup(pixels, labels)
         else:
             targets = smoothed_one_hot(labels, len(names), args.label_smoothing)
-        with accelerator.accumulate(model):
-            loss = model(pixel_values=pixels, labels=targets).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
+                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue

@@ -48,6 +48,7 @@ from attnzoo.training.loop import (
     train_batches,
     train_loader,
     training_record,
+    training_step,
 )
 from attnzoo.training.metrics import evaluate_bits_per_dim
 from attnzoo.training.model_card import bits_per_dim_result, build_model_card
@@ -178,14 +179,9 @@ def main(argv=None):
     started = time.time()
     model.train()
     for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
-        with accelerator.accumulate(model):
-            loss = model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
+                             lambda b=batch: model(input_ids=b["input_ids"],
+                                                   labels=b.get("labels", b["input_ids"])).loss)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue

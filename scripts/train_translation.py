@@ -40,6 +40,7 @@ from attnzoo.training.loop import (
     train_batches,
     train_loader,
     training_record,
+    training_step,
 )
 from attnzoo.training.metrics import bleu_scores
 from attnzoo.training.model_card import bleu_results, build_model_card
@@ -203,14 +204,8 @@ def main(argv=None):
     started = time.time()
     model.train()
     for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
-        with accelerator.accumulate(model):
-            loss = smoothed_loss(model, batch, args.label_smoothing, pad_id, start_id)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm:
-                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
+                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id))
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue

@@ -174,6 +174,21 @@ class RunningMean:
         return mean
 
 
+def training_step(accelerator: Accelerator, model, optimizer, scheduler, max_grad_norm: float, compute_loss):
+    """One micro-batch: `compute_loss()` (the forward) inside `accelerator.accumulate`, backward, clipping when the
+    gradients sync, then the optimizer and schedule steps (accelerate skips them between accumulation steps).
+    Returns the loss."""
+    with accelerator.accumulate(model):
+        loss = compute_loss()
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and max_grad_norm:
+            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return loss
+
+
 def training_record(accelerator: Accelerator, args, step: int, max_steps: int, train_loss: RunningMean, scheduler,
                     started: float, progress=None) -> dict:
     """The values to log after optimizer step `step`: the mean training loss since the last log, the learning rate

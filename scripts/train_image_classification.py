@@ -24,7 +24,6 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForImageClassification
 
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.checkpoints import save_checkpoint
 from attnzoo.training.classification_data import collate_images, load_labelled_images, with_transform
 from attnzoo.training.loop import (
     VISION_NO_DECAY,
@@ -33,6 +32,7 @@ from attnzoo.training.loop import (
     build_optimizer,
     build_scheduler,
     eval_loader,
+    log_and_checkpoint,
     new_model_config,
     optimizer_steps_per_epoch,
     progress_bar,
@@ -248,10 +248,7 @@ def main(argv=None):
         record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_accuracy"] = evaluate_top1(model, validation_loader, accelerator, args.max_eval_batches)
-        if record:
-            accelerator.log(record, step=step)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
+        log_and_checkpoint(accelerator, args, output_dir, step, record)
         if step >= max_steps:
             break
     progress.close()

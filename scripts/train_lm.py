@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnzoo.tokenization import byte_level_tokenizer
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.checkpoints import save_checkpoint
 from attnzoo.training.image_data import (
     PIXEL_VOCAB_SIZE,
     PixelSequences,
@@ -40,6 +39,7 @@ from attnzoo.training.loop import (
     build_optimizer,
     build_scheduler,
     eval_loader,
+    log_and_checkpoint,
     new_model_config,
     progress_bar,
     resume_if_asked,
@@ -193,10 +193,7 @@ def main(argv=None):
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
                                                                 args.max_eval_batches)
-        if record:
-            accelerator.log(record, step=step)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
+        log_and_checkpoint(accelerator, args, output_dir, step, record)
         if step >= max_steps:
             break
     progress.close()

@@ -31,6 +31,7 @@ from attnzoo.training.loop import (
     build_optimizer,
     build_scheduler,
     eval_loader,
+    log_and_checkpoint,
     new_model_config,
     progress_bar,
     resume_if_asked,
@@ -216,10 +217,7 @@ def main(argv=None):
             bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
                                     args.max_eval_batches)
             record["eval_bleu"] = bleu["sacrebleu"]["score"]
-        if record:
-            accelerator.log(record, step=step)
-        if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
+        log_and_checkpoint(accelerator, args, output_dir, step, record)
         if step >= max_steps:
             break
     progress.close()

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
-from attnzoo.training.checkpoints import resolve_resume
+from attnzoo.training.checkpoints import resolve_resume, save_checkpoint
 from attnzoo.training.recipes import parse_model_overrides
 from attnzoo.training.tracking import build_trackers
 
@@ -187,6 +187,14 @@ def training_step(accelerator: Accelerator, model, optimizer, scheduler, max_gra
         scheduler.step()
         optimizer.zero_grad()
     return loss
+
+
+def log_and_checkpoint(accelerator: Accelerator, args, output_dir, step: int, record: dict) -> None:
+    """After an optimizer step: log the step's record (if any) and save a checkpoint every `checkpointing_steps`."""
+    if record:
+        accelerator.log(record, step=step)
+    if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+        save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
 
 
 def training_record(accelerator: Accelerator, args, step: int, max_steps: int, train_loss: RunningMean, scheduler,

@@ -178,6 +178,7 @@ def main(argv=None):
     train_loss = RunningMean()
     started = time.time()
     model.train()
+    last_eval = None  # (step, bits/dim) of the newest evaluation in the loop
     for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
                              lambda b=batch: model(input_ids=b["input_ids"],
@@ -193,12 +194,16 @@ def main(argv=None):
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
                                                                 args.max_eval_batches)
+            last_eval = (step, record["eval_bits_per_dim"])
         log_and_checkpoint(accelerator, args, output_dir, step, record)
         if step >= max_steps:
             break
     progress.close()
 
-    eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
+    if last_eval is not None and last_eval[0] == step:  # the last step was an evaluation step: don't repeat it
+        eval_bpd = last_eval[1]
+    else:
+        eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
     results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "corpus": args.corpus,
                "sequence_length": sequence_length, "num_parameters": n_params,
                "num_train_sequences": len(train_set),

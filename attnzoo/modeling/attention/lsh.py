@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attnzoo.configuration.base import _fail
@@ -236,7 +237,7 @@ class LSHAttention(ZooAttention):
         # Inside a reversible recomputation (`replay` given) the backward follows at once: keep the probabilities.
         save_probs = replay is not None
         if full and cache is None:
-            return self.full_attention(qk, v, key_mask, save_probs)
+            return self.full_attention(qk, v, key_mask)
         padded = qk.shape[2] + (-length) % self.chunk_length
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=qk.device)
         valid = pad_to_multiple(valid, self.chunk_length, dim=1, value=False)
@@ -258,27 +259,35 @@ class LSHAttention(ZooAttention):
             if cache is not None:
                 cache.prefill(self, qk, v, buckets[..., :length], rotations, factors, valid[:, :length])
         if full:
-            return self.full_attention(qk, v, key_mask, save_probs)
+            return self.full_attention(qk, v, key_mask)
         out = self.lsh_attention(qk_padded, v_padded, buckets, order, math.prod(factors), save_probs)[:, :, :length]
         threshold = self.full_attention_threshold
         if self.causal and threshold > 0:
             # Causal layers: the first `threshold` positions attend fully (to at most `threshold` keys).
             head = self.full_attention(qk[:, :, :threshold], v[:, :, :threshold],
-                                       None if key_mask is None else key_mask[:, :threshold], save_probs)
+                                       None if key_mask is None else key_mask[:, :threshold])
             out = torch.cat([head, out[:, :, threshold:]], dim=2)
         return out
 
-    def full_attention(self, qk, v, key_mask, save_probs=False):
-        """Shared-QK attention over the whole sequence: one chunk, the same masks, no hashing."""
+    def full_attention(self, qk, v, key_mask):
+        """Shared-QK attention over the whole sequence: the same masks, no hashing, one SDPA call.
+
+        A query's own key gets the large finite penalty (added to its score, which is then negligible), so it is
+        used only when nothing else is allowed; a query with no allowed key at all (padding) outputs zeros."""
         batch, heads, length, dim = qk.shape
-        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=qk.device)
-        positions = torch.arange(length, device=qk.device).expand(batch * heads, 1, length)
-        mask = WindowMask(positions=positions, valid=valid.repeat_interleave(heads, dim=0)[:, None, :], before=0,
-                          after=0, causal=self.causal, self_penalty=True)
-        q = qk.reshape(batch * heads, 1, length, dim)
-        out, _ = windowed_attention(q, normalize_keys(q), v.reshape(batch * heads, 1, length, dim), mask, 1.0,
-                                    self.dropout_rate, save_probs)
-        return out.view(batch, heads, length, dim)
+        allowed = torch.ones(length, length, dtype=torch.bool, device=qk.device)
+        if self.causal:
+            allowed = allowed.tril()
+        allowed = allowed.expand(batch, 1, length, length)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :].bool()
+        has_key = allowed.any(-1, keepdim=True)  # [B, 1, L, 1]
+        own_key = torch.eye(length, dtype=torch.bool, device=qk.device)
+        bias = torch.zeros(allowed.shape, dtype=qk.dtype, device=qk.device).masked_fill(~allowed, float("-inf"))
+        bias = bias.masked_fill(own_key & allowed, mask_values(qk.dtype)[1]).masked_fill(~has_key, 0.0)
+        out = F.scaled_dot_product_attention(qk, normalize_keys(qk), v, attn_mask=bias, dropout_p=self.dropout_rate,
+                                             scale=1.0)
+        return out * has_key
 
     def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False):
         """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the

@@ -1,0 +1,170 @@
+"""Train several variants of one language model with scripts/train_lm.py and compare their held-out bits/dim curves.
+
+    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_shared_qk_reversible.yaml   # seed 001 Fig. 3
+    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_hash_rounds.yaml            # seed 001 Fig. 4
+
+An experiment file (YAML) holds:
+  experiment   a title;
+  prepare      optional: a command (list of arguments, run from the repository root) that makes the data, run when
+               the file named by `prepare_creates` is missing;
+  train_lm     the train_lm.py arguments every variant shares (as in a recipe; `model` is a list of NAME=VALUE);
+  variants     name -> train_lm.py arguments of that variant (its `model` list is appended to the shared one);
+  panels       optional: lists of variant names, one plot panel each (default: one panel with every variant);
+  output       the results JSON (the plot is written beside it as .png).
+
+Each variant runs as its own train_lm.py process with one thread (`--jobs` at once), writing to
+OUTPUT_DIR/<variant>; the results JSON keeps each variant's held-out bits/dim curve, final figure, parameter count and
+training time. Variants whose folder already holds all_results.json are read, not retrained (`--retrain` to redo);
+`--partial` trains nothing and reports the finished variants, plus the held-out curve logged so far by unfinished
+ones (listed under "missing", dashed in the plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command_line(shared: dict, variant: dict, output_dir: Path) -> list[str]:
+    """train_lm.py arguments for one variant: the shared ones, overridden by the variant's; model lists concatenate."""
+    values = {**shared, **variant, "model": [*shared.get("model", []), *variant.get("model", [])]}
+    values.update(output_dir=str(output_dir), report_to="jsonl")
+    args = [sys.executable, str(ROOT / "scripts" / "train_lm.py")]
+    for key, value in values.items():
+        if key == "model":
+            args += ["--model", *[str(v) for v in value]] if value else []
+        elif isinstance(value, bool):
+            args += [f"--{key}"] if value else []
+        else:
+            args += [f"--{key}", str(value)]
+    return args
+
+
+def read_curves(output_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(held-out curve, training curve) from a run's metrics.jsonl; one held-out point per step."""
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evaluations = {m["step"]: m["eval_bits_per_dim"] for m in metrics if "eval_bits_per_dim" in m}
+    curve = [{"step": step, "eval_bits_per_dim": bpd} for step, bpd in evaluations.items()]
+    train = [{"step": m["step"], "train_bits_per_dim": m["train_bits_per_dim"]} for m in metrics
+             if "train_bits_per_dim" in m]
+    return curve, train
+
+
+def run_variant(name: str, argv: list[str], output_dir: Path, retrain: bool) -> dict:
+    results_file = output_dir / "all_results.json"
+    if retrain or not results_file.is_file():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        with open(output_dir / "train.log", "w") as log:
+            done = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"variant {name} failed (exit {done.returncode}); see {output_dir / 'train.log'}")
+    final = json.loads(results_file.read_text())
+    curve, train = read_curves(output_dir)
+    print(f"{name}: held-out bits/dim {final['eval_bits_per_dim']:.4f}, {final['num_parameters']:,} parameters, "
+          f"{final['train_seconds']:.0f} s", flush=True)
+    return {"eval_bits_per_dim": final["eval_bits_per_dim"], "num_parameters": final["num_parameters"],
+            "train_seconds": final["train_seconds"], "eval_curve": curve, "train_curve": train,
+            "command": " ".join(argv[1:])}
+
+
+def unfinished_variant(output_dir: Path) -> dict | None:
+    """What a run that has not finished has logged so far (None if it has logged no evaluation)."""
+    if not (output_dir / "metrics.jsonl").is_file():
+        return None
+    curve, train = read_curves(output_dir)
+    if not curve:
+        return None
+    return {"unfinished": True, "eval_bits_per_dim": curve[-1]["eval_bits_per_dim"], "last_step": curve[-1]["step"],
+            "eval_curve": curve, "train_curve": train}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = report["panels"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, names in zip(axes[0], panels, strict=True):
+        for name in names:
+            run = report["variants"][name]
+            curve = run["eval_curve"]
+            note = f", unfinished at step {run['last_step']}" if run.get("unfinished") else ""
+            ax.plot([p["step"] for p in curve], [p["eval_bits_per_dim"] for p in curve], marker="o", ms=3,
+                    linestyle="--" if note else "-", label=f"{name} ({run['eval_bits_per_dim']:.3f}{note})")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out bits/dim")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        tail = [p["eval_bits_per_dim"] for n in names for p in report["variants"][n]["eval_curve"][1:]]
+        if tail:  # the first evaluations are far above the rest; show the part where the variants differ
+            ax.set_ylim(min(tail) - 0.05, max(tail) + 0.05)
+    fig.suptitle(report["experiment"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("experiment", type=Path, help="experiment YAML (see above)")
+    p.add_argument("--output_dir", type=Path, default=None, help="runs folder (default: runs/<experiment file stem>)")
+    p.add_argument("--jobs", type=int, default=2, help="variants trained at once")
+    p.add_argument("--only", nargs="*", default=None, help="train only these variants")
+    p.add_argument("--retrain", action="store_true", help="retrain variants that already have results")
+    p.add_argument("--partial", action="store_true",
+                   help="train nothing: report finished variants, and the curves unfinished ones have logged")
+    args = p.parse_args(argv)
+    spec = yaml.safe_load(args.experiment.read_text())
+    missing = {"experiment", "train_lm", "variants", "output"} - set(spec)
+    if missing:
+        raise ValueError(f"{args.experiment} lacks the keys {sorted(missing)}; see this script's help.")
+    names = list(spec["variants"])
+    panels = spec.get("panels") or [names]
+    unknown = sorted({n for panel in panels for n in panel} - set(names))
+    if unknown:
+        raise ValueError(f"panels name variants {unknown} that {args.experiment} does not define")
+    if spec.get("prepare") and not (ROOT / spec["prepare_creates"]).exists():
+        subprocess.run([sys.executable, *spec["prepare"]], cwd=ROOT, check=True)
+    runs = args.output_dir or ROOT / "runs" / args.experiment.stem
+    chosen = [n for n in names if args.only is None or n in args.only]
+
+    def one(name):
+        if args.partial and not (runs / name / "all_results.json").is_file():
+            return name, unfinished_variant(runs / name)
+        variant = spec["variants"][name] or {}
+        return name, run_variant(name, command_line(spec["train_lm"], variant, runs / name), runs / name,
+                                 args.retrain)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        variants = dict(pool.map(one, chosen))
+    if args.only is not None:
+        return
+    missing = [n for n in names if variants[n] is None or variants[n].get("unfinished")]
+    names = [n for n in names if variants[n] is not None]
+    panels = [[n for n in panel if n in names] for panel in panels]
+    recipe = args.experiment.resolve()
+    report = {"experiment": spec["experiment"],
+              "recipe": str(recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe),
+              "train_lm": spec["train_lm"], "panels": panels,
+              "variants": {n: {"settings": spec["variants"][n], **variants[n]} for n in names},
+              "missing": missing}
+    output = ROOT / spec["output"]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=1))
+    plot(report, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')}" + (f"; not finished: {missing}" if missing else ""))
+
+
+if __name__ == "__main__":
+    main()

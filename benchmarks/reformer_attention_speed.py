@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import sync, timed_step_with_peak  # noqa: E402
+from harness import timed_step_with_peak  # noqa: E402
 
 from attnzoo import ZooReformerConfig  # noqa: E402
 from attnzoo.modeling.attention import ATTENTION_REGISTRY  # noqa: E402
@@ -53,8 +53,7 @@ def measure(kind: str, length: int, args) -> float:
                 layer(hidden)
 
     torch.manual_seed(0)
-    seconds, _ = timed_step_with_peak(step, args.device, args.repeats)
-    sync(args.device)
+    seconds, _ = timed_step_with_peak(step, args.device, args.repeats)  # synchronises around every step
     return seconds
 
 

@@ -50,13 +50,15 @@ def command_line(shared: dict, variant: dict, output_dir: Path) -> list[str]:
 
 
 def read_curves(output_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(held-out curve, training curve) from a run's metrics.jsonl; one held-out point per step."""
+    """(held-out curve, training curve) from a run's metrics.jsonl: one point per step, the last one logged (a
+    resumed run logs again the steps between its checkpoint and the kill)."""
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evaluations = {m["step"]: m["eval_bits_per_dim"] for m in metrics if "eval_bits_per_dim" in m}
-    curve = [{"step": step, "eval_bits_per_dim": bpd} for step, bpd in evaluations.items()]
-    train = [{"step": m["step"], "train_bits_per_dim": m["train_bits_per_dim"]} for m in metrics
-             if "train_bits_per_dim" in m]
-    return curve, train
+
+    def curve(key: str) -> list[dict]:
+        by_step = {m["step"]: m[key] for m in metrics if key in m}
+        return [{"step": step, key: by_step[step]} for step in sorted(by_step)]
+
+    return curve("eval_bits_per_dim"), curve("train_bits_per_dim")
 
 
 def run_variant(name: str, argv: list[str], output_dir: Path, retrain: bool) -> dict:

@@ -103,6 +103,20 @@ def test_variant_command_lines_merge_model_lists():
 
 
 @pytest.mark.slow
+def test_variant_curves_keep_one_point_per_step_after_a_resume(tmp_path):
+    variants = load_benchmark("train_lm_variants")
+    logged = [{"step": 50, "train_bits_per_dim": 5.0}, {"step": 100, "train_bits_per_dim": 4.0},
+              {"step": 100, "eval_bits_per_dim": 4.5},
+              # killed after step 150, resumed from the checkpoint at step 100: step 150 is logged again
+              {"step": 150, "train_bits_per_dim": 3.9}, {"step": 150, "train_bits_per_dim": 3.8},
+              {"step": 200, "eval_bits_per_dim": 4.1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+    held_out, train = variants.read_curves(tmp_path)
+    assert held_out == [{"step": 100, "eval_bits_per_dim": 4.5}, {"step": 200, "eval_bits_per_dim": 4.1}]
+    assert train == [{"step": 50, "train_bits_per_dim": 5.0}, {"step": 100, "train_bits_per_dim": 4.0},
+                     {"step": 150, "train_bits_per_dim": 3.8}]
+
+
 def test_train_lm_variants_end_to_end(tmp_path):
     variants = load_benchmark("train_lm_variants")
     experiment = tmp_path / "tiny.yaml"

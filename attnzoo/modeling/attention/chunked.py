@@ -19,7 +19,6 @@ scores would give the same numbers, but exp() of very negative inputs is several
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +73,13 @@ class WindowMask:
       score (shared-QK attention).
     - groups [N, C, m] with group_band=(lo, hi): a query sees only keys of its own group (bucket) whose offset in the
       window order (key slot - query slot) lies in [lo, hi] (LSH's "bucket" window).
-    - count_locations [N, C, m, R] with count_band=(lo, hi): subtract log(number of rounds r with
-      lo <= loc_r(key) - loc_r(query) <= hi) from the score (LSH's duplicate correction, Appendix A eq. 16).
+    - round_locations [N, C, m, R] with round_band=(lo, hi), for rows of R hash rounds (N = groups * R, the round
+      innermost): a key is a candidate of the query in round r when lo <= loc_r(key) - loc_r(query) <= hi; a
+      row of round r drops the keys that were candidates of its query in an earlier round. Every key of the union
+      of the rounds' candidate sets is then attended in exactly one round, the first that lists it, so combining
+      the rounds by their log-sum-exps is one softmax over the union: what subtracting log(number of rounds listing
+      the key) computes (LSH's duplicate correction, seed 001 Appendix A eq. 16), with R(R-1)/2 round comparisons
+      instead of R^2 and no per-score logarithm.
     """
 
     positions: torch.Tensor
@@ -86,8 +90,8 @@ class WindowMask:
     self_penalty: bool = False
     groups: torch.Tensor | None = None
     group_band: tuple[int, int] = (0, 0)
-    count_locations: torch.Tensor | None = None
-    count_band: tuple[int, int] = (0, 0)
+    round_locations: torch.Tensor | None = None
+    round_band: tuple[int, int] = (0, 0)
 
     def window(self, x: torch.Tensor, fill, rest_dims: int = 0) -> torch.Tensor:
         return windows(x, self.before, self.after, fill, rest_dims)
@@ -117,31 +121,31 @@ class WindowMask:
                 blocked |= later
             else:
                 blocked = blocked | later
+        if self.round_locations is not None and self.round_locations.shape[-1] > 1:
+            blocked = blocked.expand(full).contiguous()  # a copy only when it was broadcast
+            self._block_earlier_candidates_(blocked)
         return blocked.expand(full)
 
-    def duplicate_counts(self) -> torch.Tensor | None:
-        """[N, C, m, W] uint8: in how many rounds each window key is a candidate of the query (or None)."""
-        if self.count_locations is None or self.count_locations.shape[-1] < 2:
-            return None
-        lo, hi = self.count_band
-        k_locs = self.window(self.count_locations, 0, rest_dims=1)
-        count = None
-        # One round at a time: the [N, C, m, W] comparisons are the largest tensors here.
-        for r in range(self.count_locations.shape[-1]):
-            q = self.count_locations[..., r].unsqueeze(-1)
-            k = k_locs[..., r].unsqueeze(-2)
-            in_band = (k >= q + lo) & (k <= q + hi)
-            count = in_band.to(torch.uint8) if count is None else count.add_(in_band)
-        return count
+    def _block_earlier_candidates_(self, blocked: torch.Tensor) -> None:
+        """Set `blocked` [N, C, m, W] where the window key was a candidate of the query in an earlier round."""
+        rounds = self.round_locations.shape[-1]
+        if blocked.shape[0] % rounds:
+            raise ValueError(f"round_locations lists {rounds} hash rounds, but there are {blocked.shape[0]} rows: "
+                             "pass whole groups of rows, one row per round with the round innermost.")
+        lo, hi = self.round_band
+        per_round = blocked.view(-1, rounds, *blocked.shape[1:])  # [G, R, C, m, W]
+        query_locations = self.round_locations.view(-1, rounds, *self.round_locations.shape[1:])  # [G, R, C, m, R']
+        key_locations = self.window(self.round_locations, 0, rest_dims=1)
+        key_locations = key_locations.view(-1, rounds, *key_locations.shape[1:])  # [G, R, C, W, R']
+        # Earlier round e against the rows of the rounds after it: [.., m, W] comparisons, the largest tensors here.
+        for earlier in range(rounds - 1):
+            q = query_locations[:, earlier + 1:, ..., earlier].unsqueeze(-1)
+            k = key_locations[:, earlier + 1:, ..., earlier].unsqueeze(-2)
+            per_round[:, earlier + 1:] |= (k >= q + lo) & (k <= q + hi)
 
     def apply_(self, scores: torch.Tensor) -> torch.Tensor:
-        """Mask [N, C, m, W] scores in place: duplicate correction, -inf where disallowed, the self penalty."""
-        count = self.duplicate_counts()
-        if count is not None:
-            # log(count) = sum over c = 2..R of [count >= c] * log(c / (c - 1)): no float copy of the counts.
-            for c in range(2, self.count_locations.shape[-1] + 1):
-                scores.add_(count >= c, alpha=-math.log(c / (c - 1)))
-            del count
+        """Mask [N, C, m, W] scores in place: -inf where disallowed (including keys an earlier round attended),
+        then the self penalty."""
         scores.masked_fill_(self.disallowed(), float("-inf"))
         if self.self_penalty:
             m = self.chunk_length

@@ -13,9 +13,11 @@ neighbours in that round, through `chunked.windowed_attention`. Within that wind
   change an earlier output (without any later value being attended).
 Causal layers mask keys after the query (by original position); padded keys are never attended (they are hashed
 to an extra bucket that sorts last); a token's own key gets the large finite penalty -1e5, so it is used only when
-nothing else is allowed. Rounds are combined through their log-sum-exps (eq. 14), and with
-`lsh_duplicate_correction` every score is lowered by log(number of rounds in which that key is a candidate of that
-query) (eq. 13-16), so the result is exactly a softmax over the union of the rounds' candidate sets.
+nothing else is allowed. Rounds are combined through their log-sum-exps (eq. 14). With `lsh_duplicate_correction`
+the result is exactly a softmax over the union of the rounds' candidate sets: eq. 13-16 lower every score by
+log(number of rounds in which that key is a candidate of that query), which `reference_forward` does; the fast
+path gets the same softmax by attending to each key of the union in the first round that lists it only
+(`WindowMask.round_locations`), which needs half the round comparisons and no logarithms.
 
 Sequences of at most `lsh_full_attention_threshold` tokens get full shared-QK attention (same masks, no hashing).
 In causal layers the rule is per position: the first `lsh_full_attention_threshold` positions of any sequence get
@@ -306,20 +308,20 @@ class LSHAttention(ZooAttention):
             return x.reshape(batch * heads * rounds, chunks, m, *x.shape[4:])
 
         groups = chunked(sorted_buckets) if self.window == "bucket" else None
-        count_locations, count_band = None, (0, 0)
+        round_locations, round_band = None, (0, 0)
         if self.duplicate_correction and rounds > 1:
             # Where every position sits in every round, read in each round's sorted order: [B, H, R, Lp, R'].
             if self.window == "chunk":
-                locations, count_band = slots // m, (-before, after)
+                locations, round_band = slots // m, (-before, after)
             else:
-                locations, count_band = buckets * (2 * padded) + slots, (-before * m, after * m)
+                locations, round_band = buckets * (2 * padded) + slots, (-before * m, after * m)
             per_position = locations.transpose(2, 3)  # [B, H, Lp, R']
             index = order.reshape(batch, heads, rounds * padded, 1).expand(-1, -1, -1, rounds)
-            count_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
+            round_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
         mask = WindowMask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
                           after=after, causal=self.causal, self_penalty=True, groups=groups,
-                          group_band=(-before * m, after * m), count_locations=count_locations,
-                          count_band=count_band)
+                          group_band=(-before * m, after * m), round_locations=round_locations,
+                          round_band=round_band)
         out, lse = windowed_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
                                       save_probs)
         # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (eq. 14).

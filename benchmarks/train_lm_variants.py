@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -98,13 +99,15 @@ def plot(report: dict, path: Path) -> None:
 
     panels = report["panels"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    colors = {}  # one colour per setting in every panel: "lsh4" and "lsh4_seed1" alike
     for ax, names in zip(axes[0], panels, strict=True):
         for name in names:
             run = report["variants"][name]
+            color = colors.setdefault(re.sub(r"_seed\d+$", "", name), f"C{len(colors)}")
             curve = run["eval_curve"]
             note = f", unfinished at step {run['last_step']}" if run.get("unfinished") else ""
             ax.plot([p["step"] for p in curve], [p["eval_bits_per_dim"] for p in curve], marker="o", ms=3,
-                    linestyle="--" if note else "-", label=f"{name} ({run['eval_bits_per_dim']:.3f}{note})")
+                    color=color, linestyle="--" if note else "-", label=f"{name} ({run['eval_bits_per_dim']:.3f}{note})")
         ax.set_xlabel("training step")
         ax.set_ylabel("held-out bits/dim")
         ax.grid(alpha=0.3)

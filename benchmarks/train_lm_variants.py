@@ -103,11 +103,14 @@ def plot(report: dict, path: Path) -> None:
     for ax, names in zip(axes[0], panels, strict=True):
         for name in names:
             run = report["variants"][name]
-            color = colors.setdefault(re.sub(r"_seed\d+$", "", name), f"C{len(colors)}")
+            setting, extra_seed = re.subn(r"_seed\d+$", "", name)
+            color = colors.setdefault(setting, f"C{len(colors)}")
             curve = run["eval_curve"]
             note = f", unfinished at step {run['last_step']}" if run.get("unfinished") else ""
-            ax.plot([p["step"] for p in curve], [p["eval_bits_per_dim"] for p in curve], marker="o", ms=3,
-                    color=color, linestyle="--" if note else "-", label=f"{name} ({run['eval_bits_per_dim']:.3f}{note})")
+            # unfinished runs dashed; other seeds of a setting dotted, with square markers
+            style = "--" if note else (":" if extra_seed else "-")
+            ax.plot([p["step"] for p in curve], [p["eval_bits_per_dim"] for p in curve], color=color, linestyle=style,
+                    marker="s" if extra_seed else "o", ms=3, label=f"{name} ({run['eval_bits_per_dim']:.3f}{note})")
         ax.set_xlabel("training step")
         ax.set_ylabel("held-out bits/dim")
         ax.grid(alpha=0.3)

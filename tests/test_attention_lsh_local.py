@@ -103,6 +103,7 @@ def test_window_mask_drops_keys_an_earlier_round_listed():
     listed_earlier = (listed & earlier[:, None, None, None, :]).any(-1)
     expected = plain.disallowed() | listed_earlier
     assert listed_earlier[round_of_row == 0].sum() == 0 and listed_earlier.any()
+    assert mask.disallowed().shape == (n, chunks, m, width)
     torch.testing.assert_close(mask.disallowed(), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="whole groups"):
         WindowMask(positions[:5], valid[:5], before, after, round_locations=locations[:5], round_band=band).disallowed()

@@ -12,7 +12,8 @@ import pytest
 import torch
 import yaml
 
-from tests.scripts_helpers import ROOT
+from attnzoo.training.loop import new_model_config
+from tests.scripts_helpers import ROOT, load_script
 
 BENCHMARKS = ROOT / "benchmarks"
 
@@ -102,7 +103,6 @@ def test_variant_command_lines_merge_model_lists():
     assert argv[argv.index("--report_to") + 1] == "jsonl"
 
 
-@pytest.mark.slow
 def test_variant_curves_keep_one_point_per_step_after_a_resume(tmp_path):
     variants = load_benchmark("train_lm_variants")
     logged = [{"step": 50, "train_bits_per_dim": 5.0}, {"step": 100, "train_bits_per_dim": 4.0},
@@ -117,6 +117,23 @@ def test_variant_curves_keep_one_point_per_step_after_a_resume(tmp_path):
                      {"step": 150, "train_bits_per_dim": 3.8}]
 
 
+@pytest.mark.parametrize("recipe", ["reformer_shared_qk_reversible", "reformer_hash_rounds"])
+def test_committed_experiments_give_valid_train_lm_runs(recipe, tmp_path):
+    # Every variant of the committed experiment files: train_lm.py accepts its arguments and its model overrides make
+    # a valid config, and the plot panels name defined variants (a typo would surface only after an hour of training).
+    train_lm, variants = load_script("train_lm"), load_benchmark("train_lm_variants")
+    spec = yaml.safe_load((BENCHMARKS / "recipes" / f"{recipe}.yaml").read_text())
+    assert {n for panel in spec.get("panels", []) for n in panel} <= set(spec["variants"])
+    configs = {}
+    for name, variant in spec["variants"].items():
+        argv = variants.command_line(spec["train_lm"], variant or {}, tmp_path / name)
+        args = train_lm.build_parser().parse_args(argv[2:])
+        train_lm.check_arguments(args)
+        configs[name] = new_model_config(args.family, {"vocab_size": 256, "is_decoder": True}, args.model)
+    assert len({config.to_json_string() for config in configs.values()}) > 1
+
+
+@pytest.mark.slow
 def test_train_lm_variants_end_to_end(tmp_path):
     variants = load_benchmark("train_lm_variants")
     experiment = tmp_path / "tiny.yaml"

@@ -13,9 +13,22 @@ import time
 import torch
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def sync(device) -> None:
+    """Wait for the device's queued work (a no-op on CPU); `device` is a name ("cuda", "cuda:1") or a torch.device."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def step_seconds(step, device, repeats: int) -> list[float]:
+    """Wall-clock seconds of `repeats` runs of `step()`, each between two device syncs."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def rss_peak_mib() -> float:
@@ -42,14 +55,7 @@ def timed_step_with_peak(step, device: str, repeats: int) -> tuple[float, float]
         before = rss_peak_mib()
         step()
         peak = rss_peak_mib() - before
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        step()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), peak
+    return statistics.median(step_seconds(step, device, repeats)), peak
 
 
 def run_worker(script: str, args: list[str]) -> dict | None:

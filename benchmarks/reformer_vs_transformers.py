@@ -48,6 +48,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import step_seconds, sync  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("attnzoo", "transformers", "softmax")
@@ -105,13 +108,6 @@ def build(impl: str, length: int, device, num_buckets=None, ffn_chunk=FFN_CHUNK)
     return model.to(device)
 
 
-def synchronize(device):
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -139,19 +135,13 @@ def train_worker(impl: str, length: int, device_name: str, repeats: int, measure
         step()  # warm-up of the timing
     else:
         step()  # warm-up: kernels chosen, gradient buffers allocated
-        synchronize(device)
+        sync(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         step()
-        synchronize(device)
+        sync(device)
         result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = step_seconds(step, device, repeats)
     result["seconds"] = statistics.median(times)
     result["all_seconds"] = times
     return result
@@ -173,14 +163,14 @@ def generate_worker(impl: str, prompt: int, new_tokens: int, device_name: str) -
     quiet = contextlib.redirect_stdout(io.StringIO()) if impl == "transformers" else contextlib.nullcontext()
     with torch.no_grad(), quiet:
         model.generate(ids[:, :64], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-        synchronize(device)
+        sync(device)
         start = time.perf_counter()
         model(ids, use_cache=True)
-        synchronize(device)
+        sync(device)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate(ids, **kwargs)
-        synchronize(device)
+        sync(device)
         seconds = time.perf_counter() - start
     produced = out.shape[1] - prompt
     return {"impl": impl, "prompt": prompt, "new_tokens": produced, "seconds": seconds,

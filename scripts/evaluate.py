@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 import attnzoo  # noqa: F401  (registers the families with the Auto classes)
 from attnzoo.training.loop import eval_loader
-from attnzoo.training.metrics import evaluate_bits_per_dim
+from attnzoo.training.metrics import evaluate_bits_per_dim, evaluate_top1
 from attnzoo.training.publish import ARGS_FILE
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -136,7 +136,7 @@ def evaluate_image_classification(script, args, data, model, accelerator) -> dic
     _, transform = script.build_transforms(data)
     dataset = with_transform(raw[split], transform, data.image_column, data.label_column)
     loader = eval_loader(dataset, args.per_device_eval_batch_size, accelerator, collate_images)
-    accuracy = script.evaluate_top1(model, loader, accelerator, args.max_eval_batches)
+    accuracy = evaluate_top1(model, loader, accelerator, args.max_eval_batches)
     return {"top1_accuracy": accuracy, "split": split, "num_images": len(dataset), "num_labels": len(names)}
 
 

@@ -38,14 +38,13 @@ from attnzoo.training.loop import (
     progress_bar,
     resume_if_asked,
     save_final_model,
-    to_device,
     total_train_steps,
     train_batches,
     train_loader,
     training_record,
     training_step,
 )
-from attnzoo.training.metrics import top1_accuracy
+from attnzoo.training.metrics import evaluate_top1
 from attnzoo.training.model_card import build_model_card, top1_result
 from attnzoo.training.publish import publish_run
 from attnzoo.training.recipes import parse_with_recipe
@@ -173,23 +172,6 @@ def image_processor(args):
     return ConvNextImageProcessor(size={"shortest_edge": args.image_size}, crop_pct=args.eval_crop_pct,
                                   resample=3, image_mean=list(IMAGENET_DEFAULT_MEAN),
                                   image_std=list(IMAGENET_DEFAULT_STD))
-
-
-@torch.no_grad()
-def evaluate_top1(model, loader, accelerator, max_batches: int = 0) -> float:
-    was_training = model.training
-    model.eval()
-    correct = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    total = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    for index, batch in enumerate(loader):
-        if max_batches and index >= max_batches:
-            break
-        batch = to_device(batch, accelerator)
-        logits = model(pixel_values=batch["pixel_values"]).logits
-        correct += (logits.argmax(-1) == batch["labels"]).sum()
-        total += batch["labels"].numel()
-    model.train(was_training)
-    return top1_accuracy(accelerator.reduce(correct, "sum").item(), accelerator.reduce(total, "sum").item())
 
 
 def main(argv=None):

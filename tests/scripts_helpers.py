@@ -29,13 +29,18 @@ def tiny_model(family: str, *extra: str) -> list[str]:
     return ["--family", family, "--model", *TINY, *(PERFORMER_TINY if family == "performer" else []), *extra]
 
 
-def load_script(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+def load_module(folder: Path, name: str):
+    """`folder/name.py` as a fresh module, with `folder` importable (the scripts import their siblings)."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_script(name: str):
+    return load_module(SCRIPTS, name)
 
 
 def run_script(name: str, argv: list[str]):

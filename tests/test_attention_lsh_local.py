@@ -47,6 +47,16 @@ def lm_config(**overrides):
     return ZooReformerConfig(**values)
 
 
+def assert_same_values_and_gradients(attn, x, mask, fast, reference):
+    """Two outputs of `attn` on `x` agree at the real positions of `mask`, and so do their gradients with respect
+    to `x` and every parameter (float64 tolerances)."""
+    torch.testing.assert_close(fast[mask], reference[mask], rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(fast) * mask[..., None]
+    grads = [torch.autograd.grad((out * weights).sum(), [x, *attn.parameters()]) for out in (fast, reference)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 # -- the chunked kernel ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("save_probs", [False, True])
 def test_windowed_attention_backward_equals_autograd_of_the_same_math(save_probs):
@@ -199,11 +209,7 @@ def test_lsh_fast_path_equals_reference(causal, window, length, rounds):
     fast = attn(x, attention_mask=mask, replay=replay)
     reference = attn.reference_forward(x, attention_mask=mask, replay=replay)  # the same buckets
     assert replay["buckets"].shape == (2, 2, rounds, length + (-length) % 4)
-    torch.testing.assert_close(fast[mask], reference[mask], rtol=1e-10, atol=1e-12)
-    weights = torch.randn_like(fast) * mask[..., None]
-    grads = [torch.autograd.grad((out * weights).sum(), [x, *attn.parameters()]) for out in (fast, reference)]
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
 
 
 def test_reference_draws_the_same_rotations_as_the_fast_path():
@@ -279,11 +285,7 @@ def test_local_fast_path_equals_reference(causal, before, after, length):
     x = torch.randn(2, length, HIDDEN, dtype=torch.float64, requires_grad=True)
     mask = padding_mask(2, length, left=3, right=2)
     fast, reference = attn(x, attention_mask=mask), attn.reference_forward(x, attention_mask=mask)
-    torch.testing.assert_close(fast[mask], reference[mask], rtol=1e-10, atol=1e-12)
-    weights = torch.randn_like(fast) * mask[..., None]
-    grads = [torch.autograd.grad((out * weights).sum(), [x, *attn.parameters()]) for out in (fast, reference)]
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
 
 
 def test_local_attention_sees_exactly_its_chunk_window():

@@ -3,9 +3,7 @@ variants): their data and bookkeeping, and a tiny end-to-end run of each."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -13,18 +11,13 @@ import torch
 import yaml
 
 from attnzoo.training.loop import new_model_config
-from tests.scripts_helpers import ROOT, load_script
+from tests.scripts_helpers import ROOT, load_module, load_script
 
 BENCHMARKS = ROOT / "benchmarks"
 
 
 def load_benchmark(name: str):
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(BENCHMARKS, name)
 
 
 def test_duplication_batches_are_0w0w_scored_on_the_second_copy():

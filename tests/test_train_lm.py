@@ -1,25 +1,15 @@
 """scripts/train_lm.py end to end on a small local text file."""
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnzoo.training.tracking import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "scripts" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_helpers import ROOT, load_script
 
 
 @pytest.fixture
@@ -38,8 +28,8 @@ TINY = ["--model", "hidden_size=32", "num_hidden_layers=2", "num_attention_heads
                                          "num_attention_heads=2", "intermediate_size=64"]])
 def test_trains_reports_bits_per_dim_and_saves_a_loadable_model(text_file, tmp_path, extra):
     out = tmp_path / "run"
-    bpd = load_script().main(["--train_file", str(text_file), "--output_dir", str(out), "--max_train_steps", "30",
-                              "--learning_rate", "3e-3", *TINY, *extra])
+    bpd = load_script("train_lm").main(["--train_file", str(text_file), "--output_dir", str(out),
+                                        "--max_train_steps", "30", "--learning_rate", "3e-3", *TINY, *extra])
     results = json.loads((out / "all_results.json").read_text())
     assert results["eval_bits_per_dim"] == bpd and results["train_steps"] == 30
     assert bpd < 6.0, "30 steps on a repetitive text must beat an untrained byte model (~8 bits/dim)"
@@ -54,7 +44,7 @@ def test_trains_reports_bits_per_dim_and_saves_a_loadable_model(text_file, tmp_p
 
 
 def test_bad_arguments_raise_value_error(text_file, tmp_path):
-    script = load_script()
+    script = load_script("train_lm")
     with pytest.raises(ValueError, match="does not exist"):
         script.main(["--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "o"), *TINY])
     with pytest.raises(ValueError, match="num_attention_heads"):

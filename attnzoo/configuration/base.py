@@ -22,6 +22,24 @@ def _fail(field: str, value, fix: str):
     raise ValueError(f"{field}={value!r} is invalid: {fix}")
 
 
+def check_int(config, field: str, minimum: int, fix: str, optional: bool = False) -> None:
+    """Fail with `fix` unless `config.<field>` is an integer (a bool is not) >= `minimum`, or None if `optional`."""
+    value = getattr(config, field)
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        _fail(field, value, fix)
+
+
+def check_probability(config, field: str, optional: bool = False) -> None:
+    """Fail unless `config.<field>` is a probability in [0, 1) (a dropout rate), or None if `optional`."""
+    value = getattr(config, field)
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        _fail(field, value, "set a probability in [0, 1) or None." if optional else "set a probability in [0, 1).")
+
+
 def _near_square_factors(n: int) -> tuple[int, int]:
     """The factor pair (a, b) of the smallest power of two >= n with a*b >= n and a, b as close as possible."""
     total = 1 << max(0, (n - 1).bit_length())
@@ -127,24 +145,17 @@ class ZooConfig(PreTrainedConfig):
         """Raise `ValueError` naming the first invalid field and what to change. Families extend this."""
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                      "max_position_embeddings", "num_decoder_layers", "image_size", "patch_size", "num_channels"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "set a positive integer.")
+            check_int(self, name, 1, "set a positive integer.")
         if self.hidden_size % self.num_attention_heads:
             _fail("num_attention_heads", self.num_attention_heads,
                   f"it must divide hidden_size={self.hidden_size}; pick a divisor or change hidden_size.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                _fail(name, value, "set a probability in [0, 1).")
-        if self.classifier_dropout is not None and not 0.0 <= self.classifier_dropout < 1.0:
-            _fail("classifier_dropout", self.classifier_dropout, "set a probability in [0, 1) or None.")
+            check_probability(self, name)
+        check_probability(self, "classifier_dropout", optional=True)
         if self.hidden_act not in HIDDEN_ACTIVATIONS:
             _fail("hidden_act", self.hidden_act, f"use one of {HIDDEN_ACTIVATIONS}.")
         for name in ("chunk_size_feed_forward", "loss_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                _fail(name, value, "set 0 (no chunking) or a positive chunk length.")
+            check_int(self, name, 0, "set 0 (no chunking) or a positive chunk length.")
         self._check_attention_names("attn_layers", self.attn_layers)
         if self.is_encoder_decoder:
             self._check_attention_names("decoder_attn_layers", self.decoder_attn_layers)

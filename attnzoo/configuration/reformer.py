@@ -3,7 +3,7 @@ feed-forward layers."""
 
 from __future__ import annotations
 
-from attnzoo.configuration.base import ZooConfig, _fail
+from attnzoo.configuration.base import ZooConfig, check_int
 
 
 class ZooReformerConfig(ZooConfig):
@@ -88,10 +88,7 @@ class ZooReformerConfig(ZooConfig):
 
         for kind in ("lsh", "local"):
             ATTENTION_REGISTRY[kind].check_config(self)
-        if self.attention_head_size is not None and (
-            not isinstance(self.attention_head_size, int) or self.attention_head_size < 1
-        ):
-            _fail("attention_head_size", self.attention_head_size, "set a positive integer or None.")
+        check_int(self, "attention_head_size", 1, "set a positive integer or None.", optional=True)
 
     @property
     def reformer_head_size(self) -> int:

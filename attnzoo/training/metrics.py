@@ -28,23 +28,40 @@ def bits_per_dim(total_nats: float, total_tokens: float) -> float:
 
 
 @torch.no_grad()
-def evaluate_bits_per_dim(model, loader, accelerator, max_batches: int = 0) -> float:
-    """bits/dim over every predicted token of `loader` (this process's shard), summed over processes."""
+def summed_over_batches(model, loader, accelerator, batch_sums, max_batches: int = 0) -> tuple[float, float]:
+    """(total, count) of `batch_sums(model, batch) -> (total, count)` over `loader` (this process's shard, at most
+    `max_batches` batches; 0: all), in eval mode, summed over processes."""
     from attnzoo.training.loop import to_device
 
     was_training = model.training
     model.eval()
-    nats = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    total = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    count = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     for index, batch in enumerate(loader):
         if max_batches and index >= max_batches:
             break
-        batch_nats, batch_tokens = summed_token_nats(model, to_device(batch, accelerator))
-        nats += batch_nats.double()
-        tokens += batch_tokens.double()
+        batch_total, batch_count = batch_sums(model, to_device(batch, accelerator))
+        total += batch_total.double()
+        count += batch_count.double()
     model.train(was_training)
-    nats, tokens = accelerator.reduce(nats, "sum"), accelerator.reduce(tokens, "sum")
-    return bits_per_dim(nats.item(), tokens.item())
+    return accelerator.reduce(total, "sum").item(), accelerator.reduce(count, "sum").item()
+
+
+def evaluate_bits_per_dim(model, loader, accelerator, max_batches: int = 0) -> float:
+    """bits/dim over every predicted token of `loader`, summed over processes."""
+    return bits_per_dim(*summed_over_batches(model, loader, accelerator, summed_token_nats, max_batches))
+
+
+@torch.no_grad()
+def summed_top1_correct(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number of correct top-1 predictions, number of examples) for one image-classification batch."""
+    logits = model(pixel_values=batch["pixel_values"]).logits
+    return (logits.argmax(-1) == batch["labels"]).sum(), torch.tensor(batch["labels"].numel())
+
+
+def evaluate_top1(model, loader, accelerator, max_batches: int = 0) -> float:
+    """Top-1 accuracy (a fraction) over every example of `loader`, summed over processes."""
+    return top1_accuracy(*summed_over_batches(model, loader, accelerator, summed_top1_correct, max_batches))
 
 
 def _compound_split(line: str) -> str:

@@ -99,7 +99,7 @@ class ZooAttention(nn.Module):
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = x.shape
-        return x.transpose(1, 2).reshape(batch, length, self.hidden_size)
+        return x.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, batch: int, key_len: int) -> torch.Tensor | None:

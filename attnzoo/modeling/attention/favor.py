@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import initialization as init
 
+from attnzoo.configuration.base import check_int
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.random_features import (
     elu_features,
@@ -164,8 +165,7 @@ class FavorAttention(KernelAttention):
         if config.feature_norm not in ("chi", "sqrt_d"):
             raise ValueError(f"feature_norm={config.feature_norm!r} is invalid: use 'chi' or 'sqrt_d'.")
         for name in ("num_random_features", "feature_redraw_interval"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"{name}={getattr(config, name)} is invalid: set a positive integer.")
+            check_int(config, name, 1, "set a positive integer.")
 
     def draw_projection(self, device=None) -> torch.Tensor:
         return gaussian_projection((self.num_heads, self.num_features), self.head_dim, orthogonal=self.orthogonal,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from attnzoo.configuration.base import check_int
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.random_features import (
     linear_attention_causal,
@@ -103,8 +104,7 @@ class LinearRandomizedAttention(ZooAttention):
             if getattr(config, name) not in allowed:
                 raise ValueError(f"{name}={getattr(config, name)!r} is invalid: use one of {allowed}.")
         for name in ("lara_num_samples", "lara_samples_per_proposal", "lara_chunk_size"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"{name}={getattr(config, name)} is invalid: set a positive integer.")
+            check_int(config, name, 1, "set a positive integer.")
         if config.lara_landmarks == "2d" and math.isqrt(config.lara_num_samples) ** 2 != config.lara_num_samples:
             raise ValueError(f"lara_num_samples={config.lara_num_samples} is invalid for 2-D landmarks: it must be a "
                              "perfect square (e.g. 49 = 7x7 pooled cells).")

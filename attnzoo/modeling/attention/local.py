@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.configuration.base import _fail
+from attnzoo.configuration.base import check_int, check_probability
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
 from attnzoo.modeling.cache import SelfManagedCacheLayer
@@ -58,24 +58,10 @@ class LocalAttention(ZooAttention):
 
     @classmethod
     def check_config(cls, config) -> None:
-        value = config.local_chunk_length
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            _fail("local_chunk_length", value, "set a positive integer.")
+        check_int(config, "local_chunk_length", 1, "set a positive integer.")
         for name in ("local_num_chunks_before", "local_num_chunks_after"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail(name, value, "set a non-negative integer (0 = no neighbouring chunks).")
-        rate = config.local_attention_probs_dropout_prob
-        if rate is not None and not 0.0 <= rate < 1.0:
-            _fail("local_attention_probs_dropout_prob", rate, "set a probability in [0, 1) or None.")
-
-    def split_heads(self, x):
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def merge_heads(self, x):
-        batch, _, length, _ = x.shape
-        return x.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+            check_int(config, name, 0, "set a non-negative integer (0 = no neighbouring chunks).")
+        check_probability(config, "local_attention_probs_dropout_prob", optional=True)
 
     def _project(self, hidden_states):
         return (self.split_heads(self.query(hidden_states)), self.split_heads(self.key(hidden_states)),

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnzoo.configuration.base import _fail
+from attnzoo.configuration.base import _fail, check_int, check_probability
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
 from attnzoo.modeling.cache import SelfManagedCacheLayer
@@ -147,34 +147,24 @@ class LSHAttention(ZooAttention):
     @classmethod
     def check_config(cls, config) -> None:
         for name in ("lsh_chunk_length", "lsh_num_hashes"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "set a positive integer.")
+            check_int(config, name, 1, "set a positive integer.")
         for name in ("lsh_num_chunks_before", "lsh_num_chunks_after"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                _fail(name, value, "set a non-negative integer (0 = no neighbouring chunks).")
-        value = config.lsh_num_hashes_eval
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            _fail("lsh_num_hashes_eval", value, "set a positive integer, or None to use lsh_num_hashes.")
+            check_int(config, name, 0, "set a non-negative integer (0 = no neighbouring chunks).")
+        check_int(config, "lsh_num_hashes_eval", 1, "set a positive integer, or None to use lsh_num_hashes.",
+                  optional=True)
         buckets = config.lsh_num_buckets
         factors = [buckets] if isinstance(buckets, int) and not isinstance(buckets, bool) else buckets
         if buckets is not None and (not isinstance(factors, list | tuple) or not factors or any(
                 not isinstance(f, int) or isinstance(f, bool) or f < 2 or f % 2 for f in factors)):
             _fail("lsh_num_buckets", buckets, "set an even integer >= 2, a list of such factors, or None for "
                                               "2 * length / lsh_chunk_length.")
-        value = config.lsh_hash_seed
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            _fail("lsh_hash_seed", value, "set a non-negative integer, or None to draw from the global RNG.")
-        value = config.lsh_full_attention_threshold
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            _fail("lsh_full_attention_threshold", value, "set a non-negative integer (0 = always hash), or None "
-                                                         "for lsh_chunk_length.")
+        check_int(config, "lsh_hash_seed", 0, "set a non-negative integer, or None to draw from the global RNG.",
+                  optional=True)
+        check_int(config, "lsh_full_attention_threshold", 0, "set a non-negative integer (0 = always hash), or None "
+                                                             "for lsh_chunk_length.", optional=True)
         if config.lsh_window not in LSH_WINDOWS:
             _fail("lsh_window", config.lsh_window, f"use one of {LSH_WINDOWS}.")
-        rate = config.lsh_attention_probs_dropout_prob
-        if rate is not None and not 0.0 <= rate < 1.0:
-            _fail("lsh_attention_probs_dropout_prob", rate, "set a probability in [0, 1) or None.")
+        check_probability(config, "lsh_attention_probs_dropout_prob", optional=True)
 
     # -- pieces ---------------------------------------------------------------------------------------------
     @property
@@ -206,14 +196,6 @@ class LSHAttention(ZooAttention):
 
     def _project(self, hidden_states):
         return self.split_heads(self.query_key(hidden_states)), self.split_heads(self.value(hidden_states))
-
-    def split_heads(self, x):
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def merge_heads(self, x):
-        batch, _, length, _ = x.shape
-        return x.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
 
     @property
     def dropout_rate(self) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from attnzoo.configuration.base import check_int
 from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
 from attnzoo.modeling.attention.random_features import sample_noise_std
 
@@ -87,8 +88,7 @@ class RandomizedAttention(ZooAttention):
     def check_config(cls, config) -> None:
         if config.ra_variant not in RA_VARIANTS:
             raise ValueError(f"ra_variant={config.ra_variant!r} is invalid: use one of {RA_VARIANTS}.")
-        if config.ra_num_samples < 1:
-            raise ValueError(f"ra_num_samples={config.ra_num_samples} is invalid: set a positive integer.")
+        check_int(config, "ra_num_samples", 1, "set a positive integer.")
         check_noise_setting(config)
 
     def new_cache_layer(self):

@@ -25,7 +25,7 @@ from pathlib import Path
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnzoo.tokenization import byte_level_tokenizer
+from attnzoo.tokenization import byte_level_tokenizer, is_byte_level
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
 from attnzoo.training.image_data import (
     PIXEL_VOCAB_SIZE,
@@ -116,8 +116,7 @@ def load_tokenizer(args):
         return None, True
     name = args.tokenizer_name or args.model_name_or_path
     tokenizer = byte_level_tokenizer() if name is None else AutoTokenizer.from_pretrained(name)
-    byte_level = len(tokenizer) == 256 and tokenizer("Az", add_special_tokens=False).input_ids == [65, 122]
-    return tokenizer, byte_level
+    return tokenizer, is_byte_level(tokenizer)
 
 
 def load_datasets(args, tokenizer, byte_level: bool):
@@ -137,12 +136,14 @@ def load_datasets(args, tokenizer, byte_level: bool):
             args.block_size)
 
 
-def build_model(args, sequence_length: int, vocab_size: int):
+def build_model(args, sequence_length: int, vocab_size: int, tokenizer=None):
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-    config = new_model_config(args.family, dict(vocab_size=vocab_size, max_position_embeddings=sequence_length,
-                                                is_decoder=True), args.model)
-    return AutoModelForCausalLM.from_config(config)
+    values = dict(vocab_size=vocab_size, max_position_embeddings=sequence_length, is_decoder=True)
+    if tokenizer is not None:  # generate() stops at the end of a text and pads batches with these
+        values.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(new_model_config(args.family, values, args.model))
 
 
 def main(argv=None):
@@ -156,7 +157,7 @@ def main(argv=None):
     with accelerator.main_process_first():  # `datasets` caches are built once
         train_set, heldout_set, test_set, sequence_length = load_datasets(args, tokenizer, byte_level)
     vocab_size = PIXEL_VOCAB_SIZE if args.corpus == "imagenet64" else len(tokenizer)
-    model = build_model(args, sequence_length, vocab_size)
+    model = build_model(args, sequence_length, vocab_size, tokenizer)
     if model.config.max_position_embeddings < sequence_length:
         raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
                          f"{model.config.max_position_embeddings}; lower --block_size.")
@@ -238,7 +239,7 @@ def lm_card(args, model, results: dict):
         evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation",
                                      task_type="unconditional-image-generation")]
     else:
-        name = args.dataset_name or Path(args.train_file or "cpython-pydoc-topics").name
+        name = args.dataset_name or Path(args.train_file or "cpython-pydoc-topics.txt").name
         dataset = (name, args.dataset_name or "text")
         evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation")]
     return build_model_card(

@@ -69,9 +69,9 @@ def results(folder: str | Path) -> dict:
 # -- data ---------------------------------------------------------------------------------------------------------
 def english_text() -> bytes:
     """Real English prose from CPython's pydoc topics (the quick-start corpus), for byte-level LMs."""
-    from attnzoo.training.text_data import default_corpus_path
+    from attnzoo.training.text_data import default_corpus_text
 
-    return default_corpus_path().read_bytes()
+    return default_corpus_text().encode("utf-8")
 
 
 def write_enwik8_zip(folder: Path, num_bytes: int = 60_000) -> Path:

@@ -447,7 +447,10 @@ def test_decoding_cost_per_token_is_bounded():
     for _ in range(3):
         out = model(torch.randint(2, 37, (1, 1)), past_key_values=out.past_key_values, use_cache=True)
     local_layer, lsh_layer = out.past_key_values.layers
-    assert local_layer.keys.shape[2] == (1 + 1) * 4  # only the last chunks
+    local = model.model.transformer.blocks[0].attn
+    index, _ = local.decode_window(local_layer, 1)
+    assert index.shape[-1] == (1 + 1) * 4  # a new token reads only its window's keys, whatever the context
+    assert local_layer.get_seq_length() == 43 and local_layer.is_croppable  # all are kept, so it can be cropped
     assert lsh_layer.recent.shape[-1] == 4  # a new token reads K keys per round, whatever the context
 
 

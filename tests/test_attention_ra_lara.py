@@ -14,7 +14,7 @@ from attnzoo.modeling.attention.random_features import (
     log_features_at,
     snis_attention,
 )
-from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_index, sample_omega
+from attnzoo.modeling.attention.randomized import counter_uniform, randomized_aggregate, sample_index, sample_omega
 from attnzoo.modeling.cache import ZooCache
 
 D = 8
@@ -87,9 +87,32 @@ def test_unbiased_ra_at_evaluation_has_no_noise_but_still_samples_the_index():
     offsets = (omega - q_hat.unsqueeze(3))[0, 0]  # each must be exactly one of the keys
     distance = (offsets.unsqueeze(-2) - k_hat[0, 0][None, None]).abs().sum(-1).min(-1).values
     assert distance.max() < 1e-12
-    module = ra_module("unbiased").eval()
     x = torch.randn(1, 12, 16, dtype=torch.float64)
-    assert not torch.equal(module(x), module(x))
+    stochastic = ra_module("unbiased", eval_seed=None).eval()  # sampling at evaluation stays an explicit option
+    assert not torch.equal(stochastic(x), stochastic(x))
+    seeded = ra_module("unbiased").eval()  # the default: seeded draws, the same on every call
+    assert torch.equal(seeded(x), seeded(x))
+    assert not torch.equal(seeded(x), ra_module("unbiased", eval_seed=1).eval()(x))
+
+
+def test_seeded_evaluation_draws_follow_the_softmax_and_ignore_the_batch():
+    scores = torch.randn(1, 1, 1, 12, dtype=torch.float64) * 1.5
+    draws = 60000
+    uniform = counter_uniform(5, torch.arange(draws)[:, None], torch.arange(12)[None, :])[None, None, None]
+    index = sample_index(scores, draws, uniform)[0, 0, 0]
+    observed = torch.bincount(index, minlength=12).double()
+    expected = scores.softmax(-1)[0, 0, 0] * draws
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 31.26, chi2  # 99.9% quantile of chi-square with 11 degrees of freedom
+    # A row's draws depend on its positions only: alone, in a batch, or left-padded, the output is the same.
+    module = ra_module("unbiased").eval()
+    x = torch.randn(3, 10, 16, dtype=torch.float64)
+    alone = module(x[1:2])
+    torch.testing.assert_close(module(x)[1:2], alone, rtol=0, atol=1e-12)
+    padded = torch.cat([torch.randn(1, 4, 16, dtype=torch.float64), x[1:2]], dim=1)
+    mask = torch.ones(1, 14, dtype=torch.bool)
+    mask[0, :4] = False
+    torch.testing.assert_close(module(padded, attention_mask=mask)[:, 4:], alone, rtol=0, atol=1e-12)
 
 
 def test_biased_ra_is_deterministic_at_evaluation_and_uses_the_mean_key():

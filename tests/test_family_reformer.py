@@ -75,8 +75,8 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
     # _supports_default_dynamic_cache (generation/utils.py), which ZooPreTrainedModel already answers False: the
     # model builds its own ZooCache of LSH/local layers.
     from attnzoo import ZooCache
-    from attnzoo.modeling.attention.local import LocalCacheLayer
     from attnzoo.modeling.attention.lsh import LSHCacheLayer
+    from attnzoo.modeling.cache import TokenBufferLayer
 
     assert not ZooReformerForCausalLM._supports_default_dynamic_cache()
     model = TestReformerFamily().build("ForCausalLM").eval()
@@ -84,7 +84,7 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
                          return_dict_in_generate=True)
     cache = out.past_key_values
     assert isinstance(cache, ZooCache) and cache.get_seq_length() == 8
-    assert [type(layer) for layer in cache.layers] == [LocalCacheLayer, LSHCacheLayer]
+    assert [type(layer) for layer in cache.layers] == [TokenBufferLayer, LSHCacheLayer]
 
 
 @pytest.mark.parametrize("head", ["ForCausalLM", "ForMaskedLM", "ForSequenceClassification",

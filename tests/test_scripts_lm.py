@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from attnzoo.tokenization import BYTE_LEVEL_VOCAB_SIZE
 from attnzoo.training.image_data import PIXEL_START_TOKEN, PixelSequences, to_hwc_uint8
 from attnzoo.training.metrics import summed_token_nats
 from attnzoo.training.tracking import read_metrics
@@ -263,7 +264,8 @@ def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path):
     from attnzoo.training.loop import new_model_config
 
     set_seed(0)
-    config = new_model_config("softmax", dict(vocab_size=256, max_position_embeddings=32, is_decoder=True),
+    config = new_model_config("softmax", dict(vocab_size=BYTE_LEVEL_VOCAB_SIZE, max_position_embeddings=32,
+                                              is_decoder=True),
                               [*TINY, "hidden_dropout_prob=0.0", "reversible=true"])
     initial = AutoModelForCausalLM.from_config(config).state_dict()
     assert max_weight_difference({k: initial[k] for k in one_weights}, one_weights) > 1e-3

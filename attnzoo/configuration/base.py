@@ -12,6 +12,8 @@ import math
 
 from transformers import PreTrainedConfig
 
+from attnzoo.remote_code import auto_map, write_remote_code
+
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
 POOLING_TYPES = ("mean", "cls", "last")
 REVERSIBLE_MERGES = ("mean", "concat")
@@ -78,6 +80,10 @@ class ZooConfig(PreTrainedConfig):
         image_size / patch_size / num_channels: image models (DeiT-style patch embedding).
         pooling: how a classification head summarises a sequence: "mean" (over non-padded tokens), "cls" (a
             learned class token for images, the first token for text) or "last" (the last non-padded token).
+        eval_seed: seed of the random draws attentions make in evaluation mode (LSH's hash rotations, RA's sampled
+            indices), so `model.eval()` gives the same outputs on every call, whatever the batch, and cached decoding
+            equals the full forward. Training stays random. `None` draws from the global RNG in evaluation too
+            (stochastic evaluation, e.g. to average several draws).
     """
 
     model_type = "attnzoo"
@@ -114,6 +120,7 @@ class ZooConfig(PreTrainedConfig):
     patch_size: int = 16
     num_channels: int = 3
     pooling: str = "mean"
+    eval_seed: int | None = 0
 
     tie_word_embeddings: bool = True
     use_cache: bool = True
@@ -174,6 +181,8 @@ class ZooConfig(PreTrainedConfig):
             self._check_axial()
         if self.pooling not in POOLING_TYPES:
             _fail("pooling", self.pooling, f"use one of {POOLING_TYPES}.")
+        check_int(self, "eval_seed", 0, "set a non-negative integer, or None for random draws at evaluation too.",
+                  optional=True)
         if self.image_size % self.patch_size:
             _fail("patch_size", self.patch_size, f"it must divide image_size={self.image_size}.")
 
@@ -200,6 +209,14 @@ class ZooConfig(PreTrainedConfig):
         if math.prod(shape) < self.max_position_embeddings:
             _fail("axial_pos_shape", shape, f"its product {math.prod(shape)} must be >= max_position_embeddings="
                                             f"{self.max_position_embeddings}.")
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """transformers' save, plus the code this config needs and its `auto_map` entry, so the folder (or Hub
+        repository) loads with `AutoConfig.from_pretrained(..., trust_remote_code=True)` without attnzoo."""
+        write_remote_code(save_directory, type(self))
+        self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map(type(self), [])}
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     # -- derived values ---------------------------------------------------------------------------------------
     @property

@@ -19,10 +19,14 @@ class ZooReformerConfig(ZooConfig):
         lsh_num_chunks_before / lsh_num_chunks_after: neighbouring chunks each chunk also attends to (the chunks
             after are used by bidirectional layers only).
         lsh_num_buckets: hash buckets per round: an even int, a list of even factors (factorised hashing, their
-            product is the bucket count), or `None` for 2 * length / lsh_chunk_length (seed 001 §2), factorised into
-            two factors above 128 buckets so the rotation matrix stays small.
+            product is the bucket count), or `None` for 2 * max_position_embeddings / lsh_chunk_length (the paper's
+            2 * length / chunk at the training length, which the training scripts make max_position_embeddings),
+            factorised into two factors above 128 buckets so the rotation matrix stays small. The count is fixed
+            per model, so a position hashes the same whatever the sequence's length; set it explicitly when you
+            train on sequences much shorter than max_position_embeddings.
         lsh_num_hashes / lsh_num_hashes_eval: hash rounds in training / evaluation (`None`: same as training).
-        lsh_hash_seed: seed of the hash rotations; `None` draws them from the global RNG (new ones every forward).
+        lsh_hash_seed: seed of the hash rotations in training and evaluation; `None` draws new ones from the global
+            RNG every training forward and uses `eval_seed` in evaluation.
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
             hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
             attend fully (to at most this many keys), so a position's attention does not depend on the length.

@@ -148,7 +148,8 @@ class ZooTransformer(nn.Module):
         self.positions = PositionEmbedding(config) if with_positions else None
         self.embed_dropout = nn.Dropout(config.hidden_dropout_prob)
         kinds = config.layer_attention_kinds(decoder=decoder_side)
-        rates = torch.linspace(0, config.drop_path_rate, len(kinds)).tolist() if len(kinds) > 1 else [0.0]
+        # Plain floats (no tensor), so the model can be built on the meta device (deferred initialisation).
+        rates = [config.drop_path_rate * i / (len(kinds) - 1) for i in range(len(kinds))] if len(kinds) > 1 else [0.0]
         self.blocks = nn.ModuleList(
             ZooBlock(config, i, kind, causal, cross_attention, rates[i]) for i, kind in enumerate(kinds)
         )
@@ -190,6 +191,8 @@ class ZooTransformer(nn.Module):
                 if all_hidden is not None:
                     all_hidden.append(hidden)
         hidden = self.final_norm(hidden)
+        if all_hidden is not None:  # the last entry is the final normalised output, as GPT-2 and Llama give it
+            all_hidden[-1] = hidden
         return hidden, (tuple(all_hidden) if all_hidden is not None else None)
 
     @staticmethod

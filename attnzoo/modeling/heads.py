@@ -27,10 +27,28 @@ from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
 from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
+from attnzoo.remote_code import auto_map, family_model_classes, write_remote_code
 
 
-def _output(output, return_dict):
-    return output if return_dict is not False else output.to_tuple()
+def _output(output, return_dict, config):
+    """The ModelOutput, or its tuple when `return_dict` (or, when it is None, `config.return_dict`) is False."""
+    if return_dict is None:
+        return_dict = config.return_dict
+    return output if return_dict else output.to_tuple()
+
+
+def _logits_as_given(logits):
+    """The "head" of a loss computed from logits already at hand."""
+    return logits
+
+
+def _wants_logits(model, labels, skip_logits) -> bool:
+    """Whether to materialise the [batch, length, vocab] logits. `skip_logits` (transformers' name for it) decides
+    when given; by default they are skipped only where the chunked loss exists to avoid them: a training forward with
+    labels and `loss_chunk_size` set. Evaluation (e.g. the Trainer's `compute_metrics`) always gets logits."""
+    if skip_logits is not None:
+        return not skip_logits
+    return labels is None or not model.config.loss_chunk_size or not model.training
 
 
 class ZooPreTrainedModel(PreTrainedModel):
@@ -55,11 +73,37 @@ class ZooPreTrainedModel(PreTrainedModel):
             if getattr(module, "position_embeddings", None) is not None:
                 init.trunc_normal_(module.position_embeddings, std=std)
 
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """transformers' save (and Hub upload), plus the code of the model's family and an `auto_map` in
+        config.json, so the checkpoint loads with `AutoModel*.from_pretrained(..., trust_remote_code=True)` where
+        attnzoo is not imported or not installed (see `attnzoo.remote_code`)."""
+        classes = family_model_classes(type(self))
+        if is_main_process:
+            write_remote_code(save_directory, type(self.config), classes)
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
+                                **auto_map(type(self.config), classes)}
+        return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        # Each layer's attention decides its cache slot, so the model builds its own `ZooCache` in `forward`
-        # instead of letting generate() build a plain DynamicCache.
+        # Each layer's attention decides its cache slot: generate() must not build a plain DynamicCache.
         return False
+
+    def new_decoding_cache(self):
+        """An empty cache for incremental decoding (generative heads override this)."""
+        raise ValueError(f"{type(self).__name__} does not decode incrementally; use a ForCausalLM or "
+                         "ForConditionalGeneration model.")
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() hook: put the model's own cache into `model_kwargs` before decoding starts, as it does with a
+        DynamicCache for standard models, so that every decoding strategy (assisted and prompt-lookup decoding too)
+        finds one. A cache the user passed, or `use_cache=False`, is left to transformers."""
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                             f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
+        model_kwargs["past_key_values"] = self.new_decoding_cache()
 
 
 def _as_decoder(config):
@@ -107,7 +151,7 @@ class ZooModel(ZooPreTrainedModel):
         )
         out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
                                       hidden_states=all_hidden)
-        return _output(out, return_dict)
+        return _output(out, return_dict, self.config)
 
 
 class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
@@ -134,21 +178,27 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def new_decoding_cache(self):
+        return ZooCache.for_transformer(self.model.transformer)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
-                logits_to_keep: int = 0, **kwargs):
+                logits_to_keep: int = 0, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, return_dict=True)
         hidden = out.last_hidden_state
         loss = logits = None
-        if labels is not None:
-            loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:  # chunked loss exists to never hold all logits
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        if labels is not None:
+            if logits is not None and not logits_to_keep:  # reuse them instead of computing the head again
+                loss = causal_lm_loss(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size, num_items_in_batch)
         result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                         hidden_states=out.hidden_states)
-        return _output(result, return_dict)
+        return _output(result, return_dict, self.config)
 
 
 class ZooForMaskedLM(ZooPreTrainedModel):
@@ -174,16 +224,22 @@ class ZooForMaskedLM(ZooPreTrainedModel):
         self.lm_head.decoder = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
+                output_hidden_states=None, return_dict=None, num_items_in_batch=None, skip_logits: bool | None = None,
+                **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True)
         hidden = out.last_hidden_state
         loss = logits = None
-        if labels is not None:
-            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden)
-        return _output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict)
+        if labels is not None:
+            if logits is not None:
+                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
+                                           num_items_in_batch)
+        return _output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict,
+                       self.config)
 
 
 class MaskedLMHead(nn.Module):
@@ -243,6 +299,9 @@ class ClassifierHead(nn.Module):
 class ZooForSequenceClassification(ZooPreTrainedModel):
     """Sequence classification or regression from the pooled sequence (`config.pooling`)."""
 
+    # The loss is a mean over examples: the Trainer then divides by the accumulation steps itself.
+    accepts_loss_kwargs = False
+
     def __init__(self, config):
         super().__init__(config)
         self.model = ZooModel(config)
@@ -255,11 +314,12 @@ class ZooForSequenceClassification(ZooPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states)
+                         inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states,
+                         return_dict=True)
         logits = self.head(pool(out.last_hidden_state, attention_mask, self.config.pooling))
         loss = classification_loss(self.config, logits, labels) if labels is not None else None
         return _output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
-                       return_dict)
+                       return_dict, self.config)
 
 
 class ZooVisionModel(ZooPreTrainedModel):
@@ -284,11 +344,13 @@ class ZooVisionModel(ZooPreTrainedModel):
         tokens = self.patch_embed(pixel_values)
         grid = (self.patch_embed.grid, self.patch_embed.grid)
         hidden, all_hidden = self.transformer(tokens, grid_size=grid, output_hidden_states=output_hidden_states)
-        return _output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict)
+        return _output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict, self.config)
 
 
 class ZooForImageClassification(ZooPreTrainedModel):
     main_input_name = "pixel_values"
+    # The loss is a mean over examples (soft Mixup targets included): the Trainer divides by accumulation steps.
+    accepts_loss_kwargs = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -297,7 +359,7 @@ class ZooForImageClassification(ZooPreTrainedModel):
         self.post_init()
 
     def forward(self, pixel_values=None, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
-        out = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states)
+        out = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states, return_dict=True)
         logits = self.head(pool(out.last_hidden_state, None, self.config.pooling))
         loss = None
         if labels is not None:  # soft targets (Mixup/CutMix) are [batch, num_labels] floats
@@ -306,7 +368,7 @@ class ZooForImageClassification(ZooPreTrainedModel):
             else:
                 loss = classification_loss(self.config, logits, labels)
         return _output(ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
-                       return_dict)
+                       return_dict, self.config)
 
 
 class ZooSeq2SeqEncoder(nn.Module):
@@ -366,9 +428,12 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def new_decoding_cache(self):
+        return new_encoder_decoder_cache(self.decoder)
+
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
+                return_dict=None, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            output_hidden_states=output_hidden_states)
@@ -390,12 +455,16 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
             output_hidden_states=bool(output_hidden_states),
         )
         loss = logits = None
-        if labels is not None:
-            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden)
+        if labels is not None:
+            if logits is not None:
+                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
+                                           num_items_in_batch)
         out = Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
                               decoder_hidden_states=decoder_hidden,
                               encoder_last_hidden_state=encoder_outputs.last_hidden_state,
                               encoder_hidden_states=encoder_outputs.hidden_states)
-        return _output(out, return_dict)
+        return _output(out, return_dict, self.config)

@@ -44,6 +44,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--num_train_epochs", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
+    g.add_argument("--cpu_threads", type=int, default=0,
+                   help="CPU threads per process on a CPU run (0: the machine's cores split between the processes; "
+                        "accelerate launch would otherwise leave one)")
 
     g = parser.add_argument_group("evaluation, checkpoints and logging")
     g.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: only at the end)")

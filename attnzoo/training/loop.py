@@ -24,6 +24,7 @@ from transformers import AutoConfig, get_scheduler
 
 from attnzoo.training.checkpoints import resolve_resume, save_checkpoint
 from attnzoo.training.recipes import parse_model_overrides
+from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
 LM_NO_DECAY = ("embed", "position", "cls_token")  # the LM script's historical choice: no decay on any embedding
@@ -33,7 +34,7 @@ VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, positio
 def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
     output_dir = Path(args.output_dir)
     trackers = build_trackers(args.report_to, output_dir, run_name)
-    return Accelerator(
+    accelerator = Accelerator(
         # Without an accelerator device, `cpu=True` is what makes `accelerate launch --multi_gpu` processes join one
         # gloo process group (MULTI_CPU) instead of each training alone.
         cpu=not torch.accelerator.is_available(),
@@ -43,6 +44,8 @@ def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
         log_with=trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
+    set_cpu_threads(getattr(args, "cpu_threads", 0), accelerator.device)
+    return accelerator
 
 
 def new_model_config(family: str, values: dict, overrides: list[str]):

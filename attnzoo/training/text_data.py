@@ -13,11 +13,12 @@ from torch.utils.data import Dataset
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
 
-def default_corpus_path() -> Path:
-    """English text every CPython ships (the pydoc topic index, ~470 KB), so the quick-start needs no download."""
-    import pydoc_data
+def default_corpus_text() -> str:
+    """English text every CPython ships, so the quick start needs no download: the pydoc help topics (the language
+    reference's prose, ~460 KB), as plain text."""
+    from pydoc_data.topics import topics
 
-    return Path(pydoc_data.__path__[0]) / "topics.py"
+    return "\n\n".join(topics[name].strip() for name in sorted(topics)) + "\n"
 
 
 def _as_byte_tensor(raw: bytes) -> torch.Tensor:
@@ -25,7 +26,9 @@ def _as_byte_tensor(raw: bytes) -> torch.Tensor:
 
 
 def read_bytes(path: str | Path | None) -> torch.Tensor:
-    path = Path(path) if path is not None else default_corpus_path()
+    if path is None:
+        return _as_byte_tensor(default_corpus_text().encode("utf-8"))
+    path = Path(path)
     if not path.is_file():
         raise ValueError(f"--train_file {path} does not exist; pass a text file (or omit it for the default corpus).")
     data = _as_byte_tensor(path.read_bytes())
@@ -106,12 +109,17 @@ ByteBlocks = TokenBlocks  # the name the first version of train_lm.py used
 
 def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool) -> torch.Tensor:
     """Concatenate the rows of a `datasets` split into one token stream (documents separated by the tokenizer's
-    EOS, or a newline for the byte-level tokenizer), as run_clm's `group_texts` does before cutting blocks."""
+    EOS, or a newline for a byte-level tokenizer without one), as run_clm's `group_texts` does before cutting
+    blocks."""
     if text_column not in dataset.column_names:
         raise ValueError(f"the dataset has no column {text_column!r}; its columns are {dataset.column_names}. "
                          "Pass --text_column.")
-    if byte_level:
+    if byte_level and tokenizer.eos_token_id is None:  # a byte-level tokenizer of an older checkpoint
         return _as_byte_tensor(b"\n".join(str(t).encode("utf-8") for t in dataset[text_column]))
+    if byte_level:
+        eos = torch.tensor([tokenizer.eos_token_id], dtype=torch.int32)
+        return torch.cat([part for t in dataset[text_column]
+                          for part in (_as_byte_tensor(str(t).encode("utf-8")).int(), eos)])
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     encoded = dataset.map(lambda rows: {"ids": [tokenizer(t, add_special_tokens=False).input_ids + separator
                                                 for t in rows[text_column]]},
@@ -128,7 +136,7 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
     def encode_file(path):
         if byte_level:
             return read_bytes(path)
-        text = Path(path).read_text(encoding="utf-8")
+        text = default_corpus_text() if path is None else Path(path).read_text(encoding="utf-8")
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int32)
 
     train_file, validation_file = args.train_file, args.validation_file
@@ -140,7 +148,7 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} does not exist; pass a text file (or omit --train_file for the default "
                                  "corpus).")
-        train = encode_file(train_file) if train_file or byte_level else encode_file(default_corpus_path())
+        train = encode_file(train_file)
         if validation_file:
             return train, encode_file(validation_file)
         return split_bytes(train, args.heldout_fraction)

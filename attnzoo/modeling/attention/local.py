@@ -7,10 +7,10 @@ The chunk grid starts at each sequence's first real token, so a left-padded sequ
 alone (the module shifts each row so it starts at index 0, attends, and shifts back). Lengths that are not a
 multiple of the chunk length are padded inside the module; a sequence no longer than one chunk is one chunk.
 
-Decoding (`LocalCacheLayer`) keeps only the last (chunks_before + 1) * chunk_length keys and values of each sequence in
-a ring buffer: a new token at chunk position p attends to the cached keys from the start of chunk p // m -
-chunks_before up to itself, which is exactly what the chunked forward computes for it, at a cost per token that does
-not depend on the context length.
+Decoding keeps the keys and values of every token in a `TokenBufferLayer` (so the cache can be cropped, as assisted
+decoding needs): a new token at chunk position p attends to the cached keys from the start of chunk p // m -
+chunks_before up to itself, read by index, which is exactly what the chunked forward computes for it, at a cost per
+token that does not depend on the context length.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from attnzoo.configuration.base import check_int, check_probability
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
-from attnzoo.modeling.cache import SelfManagedCacheLayer
+from attnzoo.modeling.cache import TokenBufferLayer
 
 
 def leading_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -78,13 +78,48 @@ class LocalAttention(ZooAttention):
         key_mask = check_attention_mask(attention_mask, batch, past + length)
         q, k, v = self._project(hidden_states)
         if past > 0:
-            out = cache.decode(self, q, k, v, key_mask)
+            out = self._decode(q, k, v, key_mask, cache)
         else:
             # Inside a reversible recomputation (`replay` given) the backward follows at once: keep the probabilities.
             out = self._attend(q, k, v, key_mask, save_probs=replay is not None)
             if cache is not None:
-                cache.prefill(self, k, v, key_mask)
+                valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                         device=q.device)
+                cache.start({"keys": (k, 2), "values": (v, 2), "valid": (valid, 1)}, lead=leading_padding(valid))
         return self.output(self.merge_heads(out))
+
+    def _decode(self, q, k, v, key_mask, cache: TokenBufferLayer) -> torch.Tensor:
+        """New tokens over a cache: each attends to the keys of the window the chunked forward gives its position
+        (from the start of chunk p // m - chunks_before to itself, p counted from the row's first real token), read
+        from the cache by index, so a token costs the same whatever the context length."""
+        batch, heads, count, dim = q.shape
+        past = cache.get_seq_length()
+        new_valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, count, dtype=torch.bool,
+                                                                               device=q.device)
+        cache.append(keys=k, values=v, valid=new_valid)
+        index, query_index = self.decode_window(cache, count)
+        lead = cache.sequence["lead"][:, None]
+        safe = index.clamp(0, cache.get_seq_length() - 1)
+        allowed = (index >= lead[..., None]) & (index <= query_index[..., None])
+        allowed &= cache.tokens("valid").gather(1, safe.flatten(1)).view_as(safe)
+        allowed |= index == query_index[..., None]  # a padded new token still sees its own key (no empty row)
+        gather = safe.flatten(1)[:, None, :, None].expand(batch, heads, -1, dim)
+        keys = cache.tokens("keys").gather(2, gather).view(batch, heads, count, -1, dim)
+        values = cache.tokens("values").gather(2, gather).view(batch, heads, count, -1, dim)
+        scores = torch.einsum("bhnd,bhnwd->bhnw", q, keys) * self.scale
+        probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+        probs = F.dropout(probs, self.dropout_rate, training=self.training)
+        return torch.einsum("bhnw,bhnwd->bhnd", probs, values)
+
+    def decode_window(self, cache: TokenBufferLayer, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache indices [B, n, (chunks_before + 1) * chunk_length] of the window of each of the last `count`
+        cached tokens (some out of range or before the row's first real token: masked), and their own indices."""
+        device = cache.sequence["lead"].device
+        lead = cache.sequence["lead"][:, None]  # [B, 1]
+        query_index = cache.get_seq_length() - count + torch.arange(count, device=device)[None, :]  # [1, n]
+        m, before = self.chunk_length, self.chunks_before
+        start = lead + (torch.div(query_index - lead, m, rounding_mode="floor") - before) * m  # [B, n]
+        return start[..., None] + torch.arange((before + 1) * m, device=device), query_index
 
     def _attend(self, q, k, v, key_mask, save_probs=False):
         batch, heads, length, dim = q.shape
@@ -140,98 +175,4 @@ class LocalAttention(ZooAttention):
         return self.output(self.merge_heads(scores.softmax(-1) @ v))
 
     def new_cache_layer(self):
-        return LocalCacheLayer()
-
-
-class LocalCacheLayer(SelfManagedCacheLayer):
-    """Ring buffers of the last (chunks_before + 1) * chunk_length keys and values of each sequence; a token at chunk
-    position p (its index minus the row's leading padding) lives in slot p mod size."""
-
-    is_croppable = False
-
-    def _store(self, keys, values, chunk_positions, keep) -> None:
-        """Write tokens whose `keep` is True into slot chunk_position mod size (later tokens win)."""
-        batch, heads, _, dim = keys.shape
-        size = self.size
-        slot = torch.where(keep, chunk_positions % size, size)  # slot `size`: dropped
-        index = slot[:, None, :, None].expand(batch, heads, -1, dim)
-        ring_k = torch.cat([self.keys, self.keys.new_zeros(batch, heads, 1, dim)], dim=2)
-        ring_v = torch.cat([self.values, self.values.new_zeros(batch, heads, 1, dim)], dim=2)
-        ring_pos = torch.cat([self.positions, self.positions.new_full((batch, 1), -1)], dim=1)
-        self.keys = ring_k.scatter_(2, index, keys.detach())[:, :, :size]
-        self.values = ring_v.scatter_(2, index, values.detach())[:, :, :size]
-        self.positions = ring_pos.scatter_(1, slot, torch.where(keep, chunk_positions, -1))[:, :size]
-
-    def prefill(self, attn: LocalAttention, keys, values, key_mask) -> None:
-        batch, heads, length, dim = keys.shape
-        self.lazy_initialization(keys, values)
-        self.chunk_length, self.chunks_before = attn.chunk_length, attn.chunks_before
-        self.size = (attn.chunks_before + 1) * attn.chunk_length
-        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                 device=keys.device)
-        self.lead = leading_padding(valid)
-        chunk_positions = torch.arange(length, device=keys.device) - self.lead[:, None]
-        self.keys = keys.new_zeros(batch, heads, self.size, dim)
-        self.values = values.new_zeros(batch, heads, self.size, dim)
-        self.positions = torch.full((batch, self.size), -1, dtype=torch.long, device=keys.device)
-        # Only the last `size` positions can be seen by later tokens; distinct slots, so scatter order is moot.
-        keep = valid & (chunk_positions >= 0) & (chunk_positions >= (length - self.lead - self.size)[:, None])
-        self._store(keys, values, chunk_positions, keep)
-        self.length = length
-
-    def decode(self, attn: LocalAttention, q, k, v, key_mask) -> torch.Tensor:
-        batch, heads, count, dim = q.shape
-        new_mask = key_mask[:, self.length:] if key_mask is not None else torch.ones(
-            batch, count, dtype=torch.bool, device=q.device)
-        query_positions = self.length + torch.arange(count, device=q.device) - self.lead[:, None]  # [B, n]
-        keys = torch.cat([self.keys, k], dim=2)
-        values = torch.cat([self.values, v], dim=2)
-        key_positions = torch.cat([self.positions, torch.where(new_mask, query_positions, -1)], dim=1)
-        window_start = (torch.div(query_positions, attn.chunk_length, rounding_mode="floor")
-                        - attn.chunks_before) * attn.chunk_length
-        kp = key_positions[:, None, :]
-        allowed = (kp >= 0) & (kp >= window_start[..., None]) & (kp <= query_positions[..., None])
-        # A padded new token still sees its own key, so no softmax row is empty (as `allowed_keys` does).
-        own = torch.arange(self.size + count, device=q.device)[None, :] == (
-            self.size + torch.arange(count, device=q.device))[:, None]
-        allowed = allowed | own
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None], scale=attn.scale,
-                                             dropout_p=attn.dropout_rate)
-        last = query_positions[:, -1:]
-        self._store(k, v, query_positions, new_mask & (query_positions > last - self.size))
-        self.length += count
-        return out
-
-    # -- generation utilities ----------------------------------------------------------------------------------
-    def _map(self, fn) -> None:
-        if self.length == 0:
-            return
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.positions, self.lead = fn(self.positions), fn(self.lead)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda x: x[indices])
-
-    def reset(self) -> None:
-        self.length = 0
-        self.keys = self.values = None
-        self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise ValueError("a local-attention cache keeps only the last chunks, so it cannot be cropped; decode "
-                         "without assisted generation (or use a softmax model as the assistant's target).")
-
-    def offload(self):
-        self._map(lambda x: x.to("cpu", non_blocking=True))
-
-    def prefetch(self):
-        if self.length and self.keys.device != self.device:
-            self._map(lambda x: x.to(self.device, non_blocking=True))
+        return TokenBufferLayer()

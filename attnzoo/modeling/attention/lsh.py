@@ -135,6 +135,8 @@ class LSHAttention(ZooAttention):
         self.num_hashes_train = config.lsh_num_hashes
         self.num_hashes_eval = config.lsh_num_hashes_eval or config.lsh_num_hashes
         self.hash_seed = config.lsh_hash_seed
+        self.eval_seed = config.eval_seed
+        self.max_positions = config.max_position_embeddings
         threshold = config.lsh_full_attention_threshold
         self.full_attention_threshold = self.chunk_length if threshold is None else threshold
         self.window = config.lsh_window
@@ -171,20 +173,35 @@ class LSHAttention(ZooAttention):
     def num_hashes(self) -> int:
         return self.num_hashes_train if self.training else self.num_hashes_eval
 
-    def bucket_factors(self, padded_length: int) -> list[int]:
+    def bucket_factors(self) -> list[int]:
+        """The bucket count's factors: `lsh_num_buckets`, or by default 2 * max_position_embeddings / chunk length.
+        The count is fixed per model (not per input length), so a position's buckets do not depend on how long the
+        sequence is and cached decoding hashes exactly as the full forward does."""
         if self.num_buckets is None:
-            return default_bucket_factors(padded_length, self.chunk_length)
+            return default_bucket_factors(self.max_positions, self.chunk_length)
         return [self.num_buckets] if isinstance(self.num_buckets, int) else list(self.num_buckets)
 
+    def rotation_seed(self) -> int | None:
+        """The seed of this forward's rotations: `lsh_hash_seed` when set (training and evaluation), else
+        `eval_seed` in evaluation mode; None means the global RNG (training draws new rotations every forward)."""
+        if self.hash_seed is not None:
+            return self.hash_seed
+        return None if self.training else self.eval_seed
+
     def draw_rotations(self, batch: int, num_hashes: int, factors: list[int], device) -> torch.Tensor:
-        """[batch, heads, rounds, head_dim, sum(f/2)] Gaussian rotations: from a generator seeded with
-        `lsh_hash_seed` (plus the layer index, so layers differ) when set, else from the global RNG. Drawn in
-        float32 whatever the model's dtype, so a bf16 model hashes like its float32 original."""
-        shape = (batch, self.num_heads, num_hashes, self.head_dim, sum(f // 2 for f in factors))
-        if self.hash_seed is None:
+        """[batch, heads, rounds, head_dim, sum(f/2)] Gaussian rotations, drawn in float32 whatever the model's dtype
+        (so a bf16 model hashes like its float32 original). With a seed (`rotation_seed`, plus the layer index so
+        layers differ) they come from a generator: `lsh_hash_seed` gives every example its own rotations as training
+        does; the evaluation seed gives the whole batch one set, so an example's output does not depend on the batch
+        it is in. Without a seed they come from the global RNG, one set per example."""
+        seed = self.rotation_seed()
+        shared = self.hash_seed is None and seed is not None
+        shape = (1 if shared else batch, self.num_heads, num_hashes, self.head_dim, sum(f // 2 for f in factors))
+        if seed is None:
             return torch.randn(shape, device=device)
-        generator = torch.Generator(device=device).manual_seed(self.hash_seed + self.layer_idx)
-        return torch.randn(shape, device=device, generator=generator)
+        generator = torch.Generator(device=device).manual_seed(seed + self.layer_idx)
+        rotations = torch.randn(shape, device=device, generator=generator)
+        return rotations.expand(batch, -1, -1, -1, -1) if shared else rotations
 
     def hash_vectors(self, qk, rotations, factors, valid) -> torch.Tensor:
         """[B, H, R, L] buckets of the shared-QK vectors; padded positions (valid False) get the extra bucket."""
@@ -222,15 +239,14 @@ class LSHAttention(ZooAttention):
         save_probs = replay is not None
         if full and cache is None:
             return self.full_attention(qk, v, key_mask)
-        padded = qk.shape[2] + (-length) % self.chunk_length
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=qk.device)
         valid = pad_to_multiple(valid, self.chunk_length, dim=1, value=False)
-        factors = self.bucket_factors(padded)
+        factors = self.bucket_factors()
         qk_padded = pad_to_multiple(qk, self.chunk_length, dim=2)
         v_padded = pad_to_multiple(v, self.chunk_length, dim=2)
         if replay is not None and "buckets" in replay:
             buckets, order = replay["buckets"], replay["order"]
-            if self.hash_seed is None:
+            if self.rotation_seed() is None:
                 # Draw (and drop) the rotations again so the global RNG advances exactly as in the first call and
                 # every later draw in this branch (dropout) repeats too.
                 self.draw_rotations(batch, buckets.shape[2], factors, qk.device)
@@ -341,8 +357,7 @@ class LSHAttention(ZooAttention):
         if length <= self.full_attention_threshold:
             return self.output(self.merge_heads(full_out))
 
-        padded = length + (-length) % self.chunk_length
-        factors = self.bucket_factors(padded)
+        factors = self.bucket_factors()
         if replay is not None and "buckets" in replay:
             buckets = replay["buckets"][..., :length]
         else:

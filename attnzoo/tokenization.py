@@ -23,8 +23,9 @@ BYTE_LEVEL_VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)
 
 def byte_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
     """The byte-level tokenizer; `model_max_length` should be the model's max_position_embeddings (the training
-    scripts set it), so `truncation=True` cuts inputs to what the model can take. Left padding, so batched
-    generation continues every prompt from its last real token."""
+    scripts set it), so `truncation=True` cuts inputs to what the model can take. Padding is on the right, as
+    training collators want (no label is then predicted from a padded position); the text-generation pipeline
+    switches to left padding itself, and batched `generate()` calls should pass `padding_side="left"`."""
     byte_symbol = bytes_to_unicode()
     tokenizer = Tokenizer(models.BPE(vocab={byte_symbol[b]: b for b in range(NUM_BYTES)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -32,7 +33,7 @@ def byte_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFas
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
                                   for token in SPECIAL_TOKENS.values()])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=model_max_length,
-                                   clean_up_tokenization_spaces=False, padding_side="left", **SPECIAL_TOKENS)
+                                   clean_up_tokenization_spaces=False, **SPECIAL_TOKENS)
 
 
 def is_byte_level(tokenizer) -> bool:

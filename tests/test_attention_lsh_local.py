@@ -435,7 +435,7 @@ def test_multi_token_steps_and_crop_keep_decoding_exact():
     cache = out.past_key_values
     logits = model(ids[:, 10:15], past_key_values=cache, use_cache=True).logits  # five tokens at once
     torch.testing.assert_close(logits, full[:, 10:15], rtol=1e-9, atol=1e-10)
-    cache.crop(3)  # back to 12 tokens, then decode them again
+    cache.crop(-3)  # back to 12 tokens, then decode them again
     assert cache.get_seq_length() == 12
     logits = model(ids[:, 12:24], past_key_values=cache, use_cache=True).logits
     torch.testing.assert_close(logits, full[:, 12:24], rtol=1e-9, atol=1e-10)

@@ -335,6 +335,9 @@ class ZooVisionModel(ZooPreTrainedModel):
             raise ValueError("image models are encoders; set is_decoder=False.")
         self.patch_embed = PatchEmbedding(config)
         self.transformer = ZooTransformer(config, causal=False, with_positions=False)
+        grid = (self.patch_embed.grid, self.patch_embed.grid)
+        for block in self.transformer.blocks:
+            block.attn.check_image_layout(grid, class_token=self.patch_embed.cls_token is not None)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -89,6 +89,11 @@ class ZooAttention(nn.Module):
         also on the meta device, for modules whose buffers a checkpoint did not provide: use
         `transformers.initialization` functions, which leave loaded tensors alone."""
 
+    def check_image_layout(self, grid_size: tuple[int, int], class_token: bool) -> None:
+        """Called when the module is built into an image encoder whose tokens are a `grid_size` patch grid (after a
+        class token when `class_token`): raise ValueError for settings that cannot work there, at construction
+        rather than at the first forward."""
+
     def new_cache_layer(self):
         """The `CacheLayerMixin` that holds this layer's decoding state."""
         raise NotImplementedError(f"attention {self.name!r} does not support incremental decoding")

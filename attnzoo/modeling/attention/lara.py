@@ -110,6 +110,20 @@ class LinearRandomizedAttention(ZooAttention):
                              "perfect square (e.g. 49 = 7x7 pooled cells).")
         check_noise_setting(config)
 
+    def check_image_layout(self, grid_size, class_token: bool) -> None:
+        two_d = self.landmarks == "2d" or (self.landmarks == "auto" and not class_token)
+        if not two_d:
+            return
+        if class_token:
+            raise ValueError("lara_landmarks='2d' needs the tokens to be exactly the patch grid, but this image model "
+                             "has a class token (pooling='cls'); use pooling='mean' or lara_landmarks='1d'.")
+        side = math.isqrt(self.num_proposals)
+        if side * side != self.num_proposals:
+            raise ValueError(f"lara_num_samples={self.num_proposals} is invalid for this image model: its tokens are "
+                             f"a {grid_size[0]}x{grid_size[1]} patch grid, so landmarks are pooled grid cells "
+                             f"(lara_landmarks={self.landmarks!r}) and the count must be a perfect square (e.g. "
+                             f"{max(1, side) ** 2} or {(side + 1) ** 2}), or set lara_landmarks='1d'.")
+
     # -- shared pieces ----------------------------------------------------------------------------------------
     def _inputs(self, hidden_states):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)

@@ -518,10 +518,13 @@ class LSHCacheLayer(SelfManagedCacheLayer):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `tokens_to_remove` tokens (or keep the first -n when negative, as DynamicLayer does)."""
-        new_length = self.length - tokens_to_remove if tokens_to_remove >= 0 else -tokens_to_remove
-        if self.length == 0 or new_length >= self.length:
+        """Remove the last -n tokens for n = `tokens_to_remove` < 0, as transformers' cache layers do (a positive
+        value, the legacy "final size", is refused there and here)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
+        if self.length == 0 or tokens_to_remove == 0:
             return
+        new_length = self.length + tokens_to_remove
         self.length = max(new_length, 0)
         self.recent = self._recent_from_buckets(self._bucket_buffer[..., :self.length])
         self._views()

@@ -24,7 +24,12 @@ from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq
 
 from attnzoo.modeling.heads import shift_tokens_right
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.checkpoints import average_checkpoint_weights, list_checkpoints, save_checkpoint
+from attnzoo.training.checkpoints import (
+    average_checkpoint_weights,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.loop import (
     RunningMean,
@@ -250,9 +255,9 @@ def average_last_checkpoints(accelerator, model, args, output_dir: Path, step: i
     k = args.average_last_checkpoints
     if k <= 1:
         return 1
-    if not any(s == step for s, _ in list_checkpoints(output_dir)):
+    if not any(s == step and not verify_checkpoint(f) for s, f in list_checkpoints(output_dir)):
         save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
-    folders = [folder for _, folder in list_checkpoints(output_dir)][-k:]
+    folders = [folder for _, folder in list_checkpoints(output_dir) if not verify_checkpoint(folder)][-k:]
     averaged = average_checkpoint_weights(folders)
     unwrapped = accelerator.unwrap_model(model)
     missing, unexpected = unwrapped.load_state_dict(averaged, strict=False)

@@ -84,7 +84,7 @@ def truncate(path: Path, keep: int = 100):
 # -- checkpoint integrity -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("damage", ["truncated weights", "missing optimizer", "truncated rng state"])
 def test_latest_falls_back_past_a_damaged_checkpoint_with_a_warning(tmp_path, damage):
-    saved_states(tmp_path)
+    state = saved_states(tmp_path)
     latest = checkpoint_dir(tmp_path, 4)
     assert json.loads((latest / "manifest.json").read_text())["step"] == 4 and not verify_checkpoint(latest)
     if damage == "truncated weights":
@@ -101,6 +101,8 @@ def test_latest_falls_back_past_a_damaged_checkpoint_with_a_warning(tmp_path, da
     assert "step_4" in warnings[0] and "step_2" in warnings[-1]
     with pytest.raises(ValueError, match=r"step_4 is damaged: .*valid ones beside it: \['step_2'\]"):
         resolve_resume(tmp_path, str(latest))
+    save_checkpoint(state[0], tmp_path, 4)  # the resumed run reaches step 4 again: its new save replaces the damage
+    assert not verify_checkpoint(latest) and sorted(p.name for p in latest.parent.iterdir()) == ["step_2", "step_4"]
 
 
 def test_only_damaged_checkpoints_stop_the_resume_and_legacy_checkpoints_still_verify(tmp_path):
@@ -138,7 +140,8 @@ def test_rotation_keeps_the_newest_valid_checkpoints_and_leaves_damaged_ones(tmp
     assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 3, 4]
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint_and_says_what_happened(tmp_path, monkeypatch, caplog):
+def test_a_failed_save_keeps_the_previous_checkpoint_and_says_what_happened(tmp_path, monkeypatch, caplog,
+                                                                             capsys):
     state = saved_states(tmp_path, steps=(2,))
     accelerator = state[0]
     before = load_file(checkpoint_dir(tmp_path, 2) / "model.safetensors")
@@ -162,6 +165,14 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_says_what_happened(tmp_
     assert "Training goes on" in caplog.text
     with pytest.raises(CheckpointSaveError, match="2 saves in a row failed, more than --max_failed_saves=1"):
         guard.save(8)
+    # a stop signal whose checkpoint cannot be written still stops, and says where the run will resume from
+    stopping = TrainingGuard(accelerator, guard_args(), tmp_path)
+    stopping._on_signal(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as stop:
+        stopping.after_step(10, {}, checkpoint_now=False)
+    assert stop.value.code == 143
+    assert "could not be saved (see above); resuming continues from the newest valid checkpoint (step_2)" in \
+        capsys.readouterr().out
 
 
 # -- non-finite steps -----------------------------------------------------------------------------------------------

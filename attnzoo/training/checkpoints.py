@@ -173,9 +173,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit:
             problems = verify_checkpoint(partial)
             if problems:
                 raise OSError(f"the written files do not read back: {'; '.join(problems)}")
+            replaced = final.with_name(final.name + ".replaced")  # a re-saved step: never without a copy on disk
             if final.exists():
-                shutil.rmtree(final)
+                shutil.rmtree(replaced, ignore_errors=True)
+                final.rename(replaced)
             partial.rename(final)
+            shutil.rmtree(replaced, ignore_errors=True)
         except Exception as err:
             error = err
     if _any_process(accelerator, error is not None):

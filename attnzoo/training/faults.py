@@ -30,7 +30,13 @@ from pathlib import Path
 
 import torch
 
-from attnzoo.training.checkpoints import CheckpointSaveError, checkpoint_dir, list_checkpoints, save_checkpoint
+from attnzoo.training.checkpoints import (
+    CheckpointSaveError,
+    checkpoint_dir,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +226,7 @@ class TrainingGuard:
             saved = False
         if saved:
             return f"the training state after step {step} is in {checkpoint_dir(self.output_dir, step)}"
-        newest = [folder.name for _, folder in list_checkpoints(self.output_dir)][-1:]
+        newest = [folder.name for _, folder in list_checkpoints(self.output_dir) if not verify_checkpoint(folder)][-1:]
         return (f"the state after step {step} could not be saved (see above); resuming continues from the newest "
                 f"valid checkpoint ({newest[0] if newest else 'none: the run starts afresh'}) and redoes the steps "
                 "after it")

@@ -25,6 +25,7 @@ from transformers import AutoModelForImageClassification
 
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
 from attnzoo.training.classification_data import collate_images, load_labelled_images, with_transform
+from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.loop import (
     VISION_NO_DECAY,
     RunningMean,
@@ -184,8 +185,10 @@ def main(argv=None):
     with accelerator.main_process_first():
         raw, names = load_labelled_images(args)
     train_transform, eval_transform = build_transforms(args)
-    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed)
-    validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column)
+    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed,
+                               skip_bad=args.skip_bad_examples)
+    validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column,
+                                    skip_bad=args.skip_bad_examples)
     model = build_model(args, names)
     mixup = build_mixup(args, len(names))
 
@@ -202,7 +205,8 @@ def main(argv=None):
         per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
         args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
+    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
+    step = resume_if_asked(accelerator, args, guard)
 
     accelerator.init_trackers("train_image_classification",
                               {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
@@ -214,14 +218,14 @@ def main(argv=None):
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         pixels, labels = batch["pixel_values"], batch["labels"]
         if mixup is not None:
             pixels, targets = mixup(pixels, labels)
         else:
             targets = smoothed_one_hot(labels, len(names), args.label_smoothing)
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss)
+                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss, guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -230,7 +234,7 @@ def main(argv=None):
         record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_accuracy"] = evaluate_top1(model, validation_loader, accelerator, args.max_eval_batches)
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnzoo.tokenization import byte_level_tokenizer, is_byte_level
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
+from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.image_data import (
     PIXEL_VOCAB_SIZE,
     PixelSequences,
@@ -168,7 +169,8 @@ def main(argv=None):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     max_steps = total_train_steps(args, len(loader))
     scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
+    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
+    step = resume_if_asked(accelerator, args, guard)
 
     accelerator.init_trackers("train_lm", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
     n_params = sum(p.numel() for p in model.parameters())
@@ -180,10 +182,10 @@ def main(argv=None):
     started = time.time()
     model.train()
     last_eval = None  # (step, bits/dim) of the newest evaluation in the loop
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
                              lambda b=batch: model(input_ids=b["input_ids"],
-                                                   labels=b.get("labels", b["input_ids"])).loss)
+                                                   labels=b.get("labels", b["input_ids"])).loss, guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -196,7 +198,7 @@ def main(argv=None):
             record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
                                                                 args.max_eval_batches)
             last_eval = (step, record["eval_bits_per_dim"])
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()
@@ -250,11 +252,13 @@ def lm_card(args, model, results: dict):
 
 
 def sample(model_dir: Path, prompt: str, new_tokens: int) -> str:
-    """Reload the saved folder the way a user would and generate greedily."""
+    """Reload the saved folder the way a user would and generate greedily, at most as many tokens as the model has
+    positions (the prompt's last tokens are kept if it alone fills them)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    positions = model.config.max_position_embeddings
+    ids = tokenizer(prompt, return_tensors="pt").input_ids[:, -(positions - 1):]
+    out = model.generate(ids, max_new_tokens=min(new_tokens, positions - ids.shape[1]), do_sample=False)
     return tokenizer.decode(out[0], errors="replace")
 
 

@@ -24,7 +24,13 @@ from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq
 
 from attnzoo.modeling.heads import shift_tokens_right
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.checkpoints import average_checkpoint_weights, list_checkpoints, save_checkpoint
+from attnzoo.training.checkpoints import (
+    average_checkpoint_weights,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
@@ -194,7 +200,8 @@ def main(argv=None):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     max_steps = total_train_steps(args, len(loader))
     scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
+    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
+    step = resume_if_asked(accelerator, args, guard)
 
     accelerator.init_trackers("train_translation", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
     n_params = sum(p.numel() for p in model.parameters())
@@ -204,9 +211,9 @@ def main(argv=None):
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id))
+                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id), guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -217,7 +224,7 @@ def main(argv=None):
             bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
                                     args.max_eval_batches)
             record["eval_bleu"] = bleu["sacrebleu"]["score"]
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()
@@ -248,9 +255,9 @@ def average_last_checkpoints(accelerator, model, args, output_dir: Path, step: i
     k = args.average_last_checkpoints
     if k <= 1:
         return 1
-    if not any(s == step for s, _ in list_checkpoints(output_dir)):
+    if not any(s == step and not verify_checkpoint(f) for s, f in list_checkpoints(output_dir)):
         save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
-    folders = [folder for _, folder in list_checkpoints(output_dir)][-k:]
+    folders = [folder for _, folder in list_checkpoints(output_dir) if not verify_checkpoint(folder)][-k:]
     averaged = average_checkpoint_weights(folders)
     unwrapped = accelerator.unwrap_model(model)
     missing, unexpected = unwrapped.load_state_dict(averaged, strict=False)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,9 +29,9 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import attnzoo
 from attnzoo.tokenization import BYTE_LEVEL_VOCAB_SIZE, byte_level_tokenizer
+from tests import test_family_lara, test_family_performer, test_family_ra, test_family_reformer, test_family_softmax
 from tests.family_suite import AUTO
 from tests.scripts_helpers import ROOT, load_script
-from tests import test_family_lara, test_family_performer, test_family_ra, test_family_reformer, test_family_softmax
 
 # The family suites' model builders (imported as modules, so pytest does not collect their tests here again).
 SUITES = {"softmax": test_family_softmax.TestSoftmaxFamily(), "reformer": test_family_reformer.TestReformerFamily(),

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from attnzoo.training.data_checks import checked_json_files, read_utf8_text
+
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
 
@@ -127,16 +129,27 @@ def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool
     return torch.tensor([i for ids in encoded["ids"] for i in ids], dtype=torch.int32)
 
 
+def text_row_problem(row: dict, text_column: str) -> str | None:
+    """What keeps a JSON row from holding text in `text_column` (None: nothing)."""
+    if text_column not in row:
+        return f"no '{text_column}' field (the row's fields: {sorted(row)}; pass --text_column)"
+    if not isinstance(row[text_column], str):
+        return f"'{text_column}' is a {type(row[text_column]).__name__}, not text"
+    return None
+
+
 def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, held-out tokens) for --corpus text: a `datasets` dataset (--dataset_name, or json/csv/
     parquet files), or raw text files read whole; held out = --validation_file, the dataset's validation split, or
     the last --heldout_fraction of the training text."""
     from datasets import load_dataset
 
+    skip_bad = getattr(args, "skip_bad_examples", False)
+
     def encode_file(path):
         if byte_level:
             return read_bytes(path)
-        text = default_corpus_text() if path is None else Path(path).read_text(encoding="utf-8")
+        text = default_corpus_text() if path is None else read_utf8_text(path, skip_bad)
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int32)
 
     train_file, validation_file = args.train_file, args.validation_file
@@ -161,7 +174,12 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
         if missing:
             raise ValueError(f"{missing} not found; pass existing --train_file / --validation_file paths.")
         extension = Path(train_file).suffix.lower().lstrip(".")
-        raw = load_dataset({"jsonl": "json"}.get(extension, extension), data_files=files)
+        if extension in ("json", "jsonl"):
+            with checked_json_files(files, lambda row: text_row_problem(row, args.text_column), skip_bad,
+                                    "text row") as checked:
+                raw = load_dataset("json", data_files=checked)
+        else:
+            raw = load_dataset(extension, data_files=files)
     if "train" not in raw:
         raise ValueError(f"the dataset has splits {list(raw)}, no 'train' split.")
     train = tokenize_text_dataset(raw["train"], tokenizer, args.text_column, byte_level)

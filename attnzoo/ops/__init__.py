@@ -7,5 +7,6 @@ See docs/kernels.md for the math, the kernels' structure and how they are tested
 """
 
 from attnzoo.ops.decayed_linear_attention import decayed_linear_attention, decayed_linear_attention_step
+from attnzoo.ops.windowed_attention import windowed_attention
 
-__all__ = ["decayed_linear_attention", "decayed_linear_attention_step"]
+__all__ = ["decayed_linear_attention", "decayed_linear_attention_step", "windowed_attention"]

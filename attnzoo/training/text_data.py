@@ -116,7 +116,7 @@ def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool
     if text_column not in dataset.column_names:
         raise ValueError(f"the dataset has no column {text_column!r}; its columns are {dataset.column_names}. "
                          "Pass --text_column.")
-    if byte_level and tokenizer.eos_token_id is None:  # a byte-level tokenizer of an older checkpoint
+    if byte_level and getattr(tokenizer, "eos_token_id", None) is None:  # no EOS (an older checkpoint's tokenizer)
         return _as_byte_tensor(b"\n".join(str(t).encode("utf-8") for t in dataset[text_column]))
     if byte_level:
         eos = torch.tensor([tokenizer.eos_token_id], dtype=torch.int32)

@@ -25,21 +25,17 @@ from transformers import AutoModelForImageClassification
 
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
 from attnzoo.training.classification_data import collate_images, load_labelled_images, with_transform
-from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.loop import (
     VISION_NO_DECAY,
     RunningMean,
     build_accelerator,
     build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
-    optimizer_steps_per_epoch,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -198,19 +194,10 @@ def main(argv=None):
         args.min_learning_rate = args.min_learning_rate * global_batch / args.lr_scaling_batch
     loader = train_loader(train_set, args.per_device_train_batch_size, args.seed, collate_fn=collate_images)
     validation_loader = eval_loader(validation_set, args.per_device_eval_batch_size, accelerator, collate_images)
-    optimizer = build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    if args.num_warmup_epochs:
-        per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
-        args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
-    step = resume_if_asked(accelerator, args, guard)
-
-    accelerator.init_trackers("train_image_classification",
-                              {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, loader, "train_image_classification",
+                      optimizer=build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY))
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(names)} classes, {len(train_set)} training images, "
                       f"global batch {global_batch}, lr {args.learning_rate:.3g}, {max_steps} steps, "
                       f"{accelerator.num_processes} process(es)")

@@ -27,7 +27,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from attnzoo.tokenization import byte_level_tokenizer, is_byte_level
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.image_data import (
     PIXEL_VOCAB_SIZE,
     PixelSequences,
@@ -37,15 +36,12 @@ from attnzoo.training.image_data import (
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
-    build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -163,17 +159,11 @@ def main(argv=None):
         raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
                          f"{model.config.max_position_embeddings}; lower --block_size.")
 
-    loader = train_loader(train_set, args.per_device_train_batch_size, args.seed)
     heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
-    optimizer = build_optimizer(model, args)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
-    step = resume_if_asked(accelerator, args, guard)
-
-    accelerator.init_trackers("train_lm", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, train_loader(train_set, args.per_device_train_batch_size, args.seed),
+                      "train_lm")
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} training sequences of {sequence_length} "
                       f"tokens, {len(heldout_set)} held-out, {max_steps} steps, {accelerator.num_processes} "
                       "process(es)")

@@ -30,20 +30,16 @@ from attnzoo.training.checkpoints import (
     save_checkpoint,
     verify_checkpoint,
 )
-from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
-    build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
     to_device,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -196,15 +192,9 @@ def main(argv=None):
     loader = train_loader(tokenized["train"], args.per_device_train_batch_size, args.seed, collate_fn=collator)
     validation_loader = eval_loader(tokenized["validation"], args.per_device_eval_batch_size, accelerator, collator)
     validation_refs = references(raw["validation"], args.target_lang)
-    optimizer = build_optimizer(model, args)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    guard = TrainingGuard(accelerator, args, output_dir)  # stop signals, non-finite steps, failed saves
-    step = resume_if_asked(accelerator, args, guard)
-
-    accelerator.init_trackers("train_translation", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, loader, "train_translation")
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, {len(tokenized['train'])} "
                       f"training pairs, {max_steps} steps, {accelerator.num_processes} process(es)")
     progress = progress_bar(accelerator, max_steps, step)

@@ -11,26 +11,11 @@ import importlib
 
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-)
+from transformers import AutoConfig
 
 import attnzoo  # noqa: F401  (registers the Auto classes)
+from attnzoo.registration import AUTO_CLASS_BY_HEAD as AUTO
 
-AUTO = {
-    "Model": AutoModel,
-    "ForCausalLM": AutoModelForCausalLM,
-    "ForMaskedLM": AutoModelForMaskedLM,
-    "ForSequenceClassification": AutoModelForSequenceClassification,
-    "ForImageClassification": AutoModelForImageClassification,
-    "ForConditionalGeneration": AutoModelForSeq2SeqLM,
-}
 VOCAB = 61
 
 
@@ -113,7 +98,6 @@ class FamilySuite:
     def test_bad_config_raises_value_error(self):
         bad_values = [
             dict(num_attention_heads=5),  # does not divide hidden_size
-            dict(attn_layers=["no-such-attention"]),
             dict(position_embedding_type="rotary-ish"),
             dict(hidden_dropout_prob=1.5),
             dict(chunk_size_feed_forward=-1),
@@ -125,6 +109,9 @@ class FamilySuite:
         for values in bad_values:
             with pytest.raises(ValueError):
                 self.make_config(**values)
+        # Attention names are checked where the blocks are built (the registry is open to new attentions).
+        with pytest.raises(ValueError, match="attn_layers.*no-such-attention"):
+            self.model_class("ForCausalLM")(self.make_config(attn_layers=["no-such-attention"]))
 
     def test_wrong_input_shapes_raise_value_error(self):
         model = self.build("ForCausalLM").eval()

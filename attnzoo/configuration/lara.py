@@ -1,14 +1,24 @@
-"""The LARA family: linear randomized attention (seed 002 §4) in the shared backbone."""
+"""The LARA family: linear randomized attention ("Linear Complexity Randomized Self-attention Mechanism", Zheng,
+Wang and Kong, ICML 2022, arXiv 2204.04667, §4) in the shared backbone."""
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.validation import check_choice, check_noise_std, check_perfect_square, check_positive_ints
+
+PROPOSAL_MEANS = ("q+k", "q+mixed_k")  # Eq. 34, Eq. 35
+WEIGHTINGS = ("balance", "query_specific")  # Eq. 36, Eq. 38
+LANDMARKS = ("auto", "1d", "2d")
+R_AXES = ("queries", "proposals")
 
 
 class ZooLARAConfig(ZooConfig):
-    """Linear Randomized Attention (Zheng et al., 2022) on the shared backbone.
+    """Linear Randomized Attention (LARA) on the shared backbone. Equation numbers are the paper's (arXiv
+    2204.04667); the estimator, the weights and causal LARA are derived in docs/random_feature_attention.md.
 
     Args beyond `ZooConfig`:
-        attn_layers: "lara" layers (or "full"); in a causal model they are this project's chunk-causal LARA.
-        decoder_attn_layers: the decoder of an encoder-decoder model: exact softmax by default (seed 002 §5.4).
+        attn_layers: "lara" layers (or "full"); in a causal model they are this project's chunk-causal LARA
+            (docs/random_feature_attention.md, "Causal LARA").
+        decoder_attn_layers: the decoder of an encoder-decoder model: exact softmax by default (the paper replaces
+            only the encoder's self-attention for translation, §5.4).
         lara_num_samples: C, the number of proposals = landmarks = samples (e.g. 16/32/64 for WMT, 49 for DeiT).
         lara_samples_per_proposal: samples drawn from each proposal (1 in the paper).
         lara_landmarks: "1d" (contiguous segments), "2d" (pooled image grid; C a perfect square) or "auto" (2-D
@@ -52,3 +62,14 @@ class ZooLARAConfig(ZooConfig):
     lara_r_normalize: str = "queries"
     lara_chunk_size: int = 64
     sample_noise_std: str | float = "paper"
+
+    def validate_architecture(self) -> None:
+        super().validate_architecture()
+        check_choice(self, "lara_proposal_mean", PROPOSAL_MEANS)
+        check_choice(self, "lara_weighting", WEIGHTINGS)
+        check_choice(self, "lara_landmarks", LANDMARKS)
+        check_choice(self, "lara_r_normalize", R_AXES)
+        check_positive_ints(self, ("lara_num_samples", "lara_samples_per_proposal", "lara_chunk_size"))
+        if self.lara_landmarks == "2d":
+            check_perfect_square(self, "lara_num_samples", "for 2-D landmarks (e.g. 49 = 7x7 pooled cells)")
+        check_noise_std(self)

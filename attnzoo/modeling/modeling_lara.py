@@ -1,14 +1,13 @@
 """The LARA family: the shared backbone and heads with linear randomized attention (causal LARA in decoders)."""
 
 from attnzoo.configuration.lara import ZooLARAConfig
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
 from attnzoo.modeling.heads import (
     ZooForCausalLM,
     ZooForConditionalGeneration,
     ZooForImageClassification,
     ZooForMaskedLM,
     ZooForSequenceClassification,
-    ZooModel,
-    ZooPreTrainedModel,
 )
 
 __all__ = [

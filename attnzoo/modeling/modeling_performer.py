@@ -1,14 +1,13 @@
 """The Performer family: the shared backbone and heads with FAVOR+ (or elu+1) attention."""
 
 from attnzoo.configuration.performer import ZooPerformerConfig
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
 from attnzoo.modeling.heads import (
     ZooForCausalLM,
     ZooForConditionalGeneration,
     ZooForImageClassification,
     ZooForMaskedLM,
     ZooForSequenceClassification,
-    ZooModel,
-    ZooPreTrainedModel,
 )
 
 __all__ = [

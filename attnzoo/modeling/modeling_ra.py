@@ -1,14 +1,13 @@
 """The RA family: the shared backbone and heads with randomized attention."""
 
 from attnzoo.configuration.ra import ZooRAConfig
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
 from attnzoo.modeling.heads import (
     ZooForCausalLM,
     ZooForConditionalGeneration,
     ZooForImageClassification,
     ZooForMaskedLM,
     ZooForSequenceClassification,
-    ZooModel,
-    ZooPreTrainedModel,
 )
 
 __all__ = [

@@ -1,15 +1,15 @@
-"""The Reformer family (seed 001): the shared backbone and heads with LSH and local attention, reversible layers,
-chunked feed-forward and axial positions, as set by `ZooReformerConfig`."""
+"""The Reformer family ("Reformer: The Efficient Transformer", arXiv 2001.04451): the shared backbone and heads with
+LSH and local attention, reversible layers, chunked feed-forward and axial positions, as set by
+`ZooReformerConfig`."""
 
 from attnzoo.configuration.reformer import ZooReformerConfig
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
 from attnzoo.modeling.heads import (
     ZooForCausalLM,
     ZooForConditionalGeneration,
     ZooForImageClassification,
     ZooForMaskedLM,
     ZooForSequenceClassification,
-    ZooModel,
-    ZooPreTrainedModel,
 )
 
 __all__ = [

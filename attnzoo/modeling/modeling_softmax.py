@@ -1,14 +1,13 @@
 """The softmax baseline family: the shared backbone and heads with exact attention."""
 
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
 from attnzoo.modeling.heads import (
     ZooForCausalLM,
     ZooForConditionalGeneration,
     ZooForImageClassification,
     ZooForMaskedLM,
     ZooForSequenceClassification,
-    ZooModel,
-    ZooPreTrainedModel,
 )
 
 __all__ = [

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
 from attnzoo.training.checkpoints import read_loop_state, resolve_resume, save_checkpoint
+from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.recipes import parse_model_overrides
 from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
@@ -265,3 +267,37 @@ def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, to
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return unwrapped
+
+
+@dataclass
+class PreparedRun:
+    """What `prepare_run` hands a script's training loop."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    scheduler: object
+    guard: TrainingGuard
+    start_step: int
+    max_steps: int
+    num_parameters: int
+
+
+def prepare_run(accelerator: Accelerator, args, model, loader: DataLoader, run_name: str,
+                optimizer: torch.optim.Optimizer | None = None) -> PreparedRun:
+    """The set-up every script shares between building its model and data and its loop: optimizer (AdamW unless
+    given), `accelerator.prepare`, the run's length (--max_train_steps, or epochs over the sharded loader; a
+    --num_warmup_epochs becomes warm-up steps here), the schedule, the fault guard (stop signals, non-finite steps,
+    failed saves), resuming, and the trackers."""
+    optimizer = optimizer or build_optimizer(model, args)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    max_steps = total_train_steps(args, len(loader))
+    if getattr(args, "num_warmup_epochs", 0):
+        per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
+        args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
+    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
+    guard = TrainingGuard(accelerator, args, Path(args.output_dir))
+    start_step = resume_if_asked(accelerator, args, guard)
+    accelerator.init_trackers(run_name, {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
+    return PreparedRun(model, optimizer, loader, scheduler, guard, start_step, max_steps,
+                       sum(p.numel() for p in model.parameters()))

@@ -1,5 +1,5 @@
 """Where the ops' Triton tests run: on CUDA when there is a GPU, else on the CPU under Triton's interpreter
-(tests/ops/conftest.py sets TRITON_INTERPRET before triton is imported)."""
+(tests/conftest.py sets TRITON_INTERPRET before triton is imported)."""
 
 import pytest
 import torch
@@ -13,8 +13,8 @@ def _skip_reason() -> str | None:
     if not triton_importable():
         return "Triton is not installed (pip install triton)"
     if DEVICE == "cpu" and not interpreting():
-        return ("triton was imported before TRITON_INTERPRET=1 was set (run tests/ops first, as pytest's default "
-                "order does, or export TRITON_INTERPRET=1)")
+        return ("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it; when running "
+                "these tests another way, export TRITON_INTERPRET=1)")
     return None
 
 

@@ -1,4 +1,4 @@
-"""Local (chunked) attention, the Reformer's cheap layers (trax `SelfAttention(chunk_len=...)`, transformers'
+"""Local (chunked) attention, the Reformer's cheap layers (trax's `SelfAttention(chunk_len=...)`, transformers'
 `LocalSelfAttention`): separate query, key and value projections, and each chunk of `local_chunk_length` positions
 attends to itself and `local_num_chunks_before` chunks back (and, in bidirectional layers, `local_num_chunks_after`
 chunks ahead), scaled by 1/sqrt(head_dim). Causal layers mask later positions; padded keys are never attended.
@@ -7,10 +7,10 @@ The chunk grid starts at each sequence's first real token, so a left-padded sequ
 alone (the module shifts each row so it starts at index 0, attends, and shifts back). Lengths that are not a
 multiple of the chunk length are padded inside the module; a sequence no longer than one chunk is one chunk.
 
-Decoding keeps the keys and values of every token in a `TokenBufferLayer` (so the cache can be cropped, as assisted
-decoding needs): a new token at chunk position p attends to the cached keys from the start of chunk p // m -
-chunks_before up to itself, read by index, which is exactly what the chunked forward computes for it, at a cost per
-token that does not depend on the context length.
+Decoding keeps the keys and values of every token (so the cache can be cropped, as assisted decoding needs): a new
+token at chunk position p attends to the cached keys from the start of chunk p // m - chunks_before up to itself,
+read by index, which is exactly what the chunked forward computes for it, at a cost per token that does not depend
+on the context length.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from attnzoo.configuration.base import check_int, check_probability
-from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
+from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.cache import TokenBufferLayer
 
 
@@ -33,69 +32,73 @@ def leading_padding(key_mask: torch.Tensor) -> torch.Tensor:
 
 
 @register_attention("local")
-class LocalAttention(ZooAttention):
+class LocalAttention(ChunkedAttention):
     """Chunked attention with look-back (and look-ahead for bidirectional layers); see the module docstring."""
 
-    required_config_fields = ("local_chunk_length", "local_num_chunks_before", "local_num_chunks_after",
-                              "local_attention_probs_dropout_prob", "reformer_head_size")
-    family_config = "ZooReformerConfig"
-
     def __init__(self, config, layer_idx: int, causal: bool):
-        super().__init__(config, layer_idx, causal)
-        self.head_dim = config.reformer_head_size
-        inner = self.num_heads * self.head_dim
-        bias = config.attention_bias
-        self.query = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.key = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.value = nn.Linear(self.hidden_size, inner, bias=bias)
-        self.output = nn.Linear(inner, self.hidden_size, bias=bias)
-        self.chunk_length = config.local_chunk_length
-        self.chunks_before = config.local_num_chunks_before
-        self.chunks_after = 0 if causal else config.local_num_chunks_after
+        super().__init__(config, layer_idx, causal, chunk_length=config.local_chunk_length,
+                         chunks_before=config.local_num_chunks_before, chunks_after=config.local_num_chunks_after,
+                         dropout=config.local_attention_probs_dropout_prob)
+        self.query, self.key, self.value = self.projection(), self.projection(), self.projection()
+        self.output = self.projection(into_heads=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        rate = config.local_attention_probs_dropout_prob
-        self.dropout = config.attention_probs_dropout_prob if rate is None else rate
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        check_int(config, "local_chunk_length", 1, "set a positive integer.")
-        for name in ("local_num_chunks_before", "local_num_chunks_after"):
-            check_int(config, name, 0, "set a non-negative integer (0 = no neighbouring chunks).")
-        check_probability(config, "local_attention_probs_dropout_prob", optional=True)
 
     def _project(self, hidden_states):
         return (self.split_heads(self.query(hidden_states)), self.split_heads(self.key(hidden_states)),
                 self.split_heads(self.value(hidden_states)))
 
-    @property
-    def dropout_rate(self) -> float:
-        return self.dropout if self.training else 0.0
-
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
-        batch, length, _ = hidden_states.shape
-        cache = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
-        past = cache.get_seq_length() if cache is not None else 0
-        key_mask = check_attention_mask(attention_mask, batch, past + length)
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+        cache, past, key_mask = self.cached_inputs(hidden_states, attention_mask, past_key_values)
         q, k, v = self._project(hidden_states)
         if past > 0:
             out = self._decode(q, k, v, key_mask, cache)
         else:
-            # Inside a reversible recomputation (`replay` given) the backward follows at once: keep the probabilities.
-            out = self._attend(q, k, v, key_mask, save_probs=replay is not None)
+            # On a reversible recomputation the backward follows at once: keeping the probabilities costs no peak
+            # memory and saves recomputing them.
+            out = self._attend(q, k, v, key_mask, save_probs=recompute is not None and recompute.replaying)
             if cache is not None:
-                valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                         device=q.device)
+                valid = self.all_real(key_mask, *hidden_states.shape[:2], q.device)
                 cache.start({"keys": (k, 2), "values": (v, 2), "valid": (valid, 1)}, lead=leading_padding(valid))
         return self.output(self.merge_heads(out))
 
+    def _attend(self, q, k, v, key_mask, save_probs=False):
+        batch, heads, length, dim = q.shape
+        shift = None
+        if key_mask is not None:
+            # Rotate each row so its first real token sits at index 0 (its leading padding moves to the end).
+            lead = leading_padding(key_mask)
+            positions = torch.arange(length, device=q.device)
+            shift = (positions + lead[:, None]) % length  # [B, L]: rotated index -> original index
+            index = shift[:, None, :, None].expand(batch, heads, length, dim)
+            q, k, v = q.gather(2, index), k.gather(2, index), v.gather(2, index)
+            valid = key_mask.gather(1, shift)
+        else:
+            valid = self.all_real(None, batch, length, q.device)
+        m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
+        if length <= m:  # one chunk holds everything
+            m, before, after = length, 0, 0
+        q, k, v = (pad_to_multiple(x, m, dim=2) for x in (q, k, v))
+        valid = pad_to_multiple(valid, m, dim=1, value=False)
+        padded = q.shape[2]
+        chunks = padded // m
+        mask = WindowMask(positions=torch.arange(padded, device=q.device).view(1, chunks, m).expand(
+                              batch * heads, chunks, m),
+                          valid=valid.repeat_interleave(heads, dim=0).view(batch * heads, chunks, m),
+                          before=before, after=after, causal=self.causal)
+        out, _ = windowed_attention(*(x.reshape(batch * heads, chunks, m, dim) for x in (q, k, v)), mask,
+                                    self.scale, self.dropout_rate, save_probs)
+        out = out.view(batch, heads, padded, dim)[:, :, :length]
+        if shift is not None:
+            unshift = shift.argsort(dim=-1)
+            out = out.gather(2, unshift[:, None, :, None].expand(batch, heads, length, dim))
+        return out
+
     def _decode(self, q, k, v, key_mask, cache: TokenBufferLayer) -> torch.Tensor:
-        """New tokens over a cache: each attends to the keys of the window the chunked forward gives its position
-        (from the start of chunk p // m - chunks_before to itself, p counted from the row's first real token), read
-        from the cache by index, so a token costs the same whatever the context length."""
+        """New tokens over a cache: each attends to the keys of the window the chunked forward gives its position,
+        read from the cache by index, so a token costs the same whatever the context length."""
         batch, heads, count, dim = q.shape
         past = cache.get_seq_length()
-        new_valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, count, dtype=torch.bool,
-                                                                               device=q.device)
+        new_valid = key_mask[:, past:] if key_mask is not None else self.all_real(None, batch, count, q.device)
         cache.append(keys=k, values=v, valid=new_valid)
         index, query_index = self.decode_window(cache, count)
         lead = cache.sequence["lead"][:, None]
@@ -121,47 +124,13 @@ class LocalAttention(ZooAttention):
         start = lead + (torch.div(query_index - lead, m, rounding_mode="floor") - before) * m  # [B, n]
         return start[..., None] + torch.arange((before + 1) * m, device=device), query_index
 
-    def _attend(self, q, k, v, key_mask, save_probs=False):
-        batch, heads, length, dim = q.shape
-        valid = key_mask
-        shift = None
-        if key_mask is not None:
-            # Rotate each row so its first real token sits at index 0 (its leading padding moves to the end).
-            lead = leading_padding(key_mask)
-            positions = torch.arange(length, device=q.device)
-            shift = (positions + lead[:, None]) % length  # [B, L]: rotated index -> original index
-            index = shift[:, None, :, None].expand(batch, heads, length, dim)
-            q, k, v = q.gather(2, index), k.gather(2, index), v.gather(2, index)
-            valid = key_mask.gather(1, shift)
-        else:
-            valid = torch.ones(batch, length, dtype=torch.bool, device=q.device)
-        m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
-        if length <= m:  # one chunk holds everything
-            m, before, after = length, 0, 0
-        q, k, v = (pad_to_multiple(x, m, dim=2) for x in (q, k, v))
-        valid = pad_to_multiple(valid, m, dim=1, value=False)
-        padded = q.shape[2]
-        chunks = padded // m
-        mask = WindowMask(positions=torch.arange(padded, device=q.device).view(1, chunks, m).expand(
-                              batch * heads, chunks, m),
-                          valid=valid.repeat_interleave(heads, dim=0).view(batch * heads, chunks, m),
-                          before=before, after=after, causal=self.causal)
-        out, _ = windowed_attention(*(x.reshape(batch * heads, chunks, m, dim) for x in (q, k, v)), mask,
-                                    self.scale, self.dropout_rate, save_probs)
-        out = out.view(batch, heads, padded, dim)[:, :, :length]
-        if shift is not None:
-            unshift = shift.argsort(dim=-1)
-            out = out.gather(2, unshift[:, None, :, None].expand(batch, heads, length, dim))
-        return out
-
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,
-                          grid_size=None):
+    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
         """Dense [L, L] masks: key j is allowed to query i when its chunk (counted from the row's first real
         token) is at most `before` chunks back / `after` ahead of i's, j is real, and (causal) j <= i."""
         batch, length, _ = hidden_states.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
         q, k, v = self._project(hidden_states)
-        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=q.device)
+        valid = self.all_real(key_mask, batch, length, q.device)
         lead = leading_padding(valid)
         chunk = torch.div(torch.arange(length, device=q.device) - lead[:, None], self.chunk_length,
                           rounding_mode="floor")  # [B, L]
@@ -173,6 +142,3 @@ class LocalAttention(ZooAttention):
         scores = (q @ k.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0])
         return self.output(self.merge_heads(scores.softmax(-1) @ v))
-
-    def new_cache_layer(self):
-        return TokenBufferLayer()

@@ -1,9 +1,9 @@
 """Train a DeiT-style image classifier with any attnzoo family and report top-1 accuracy.
 
-The DeiT recipe (Touvron et al. 2021; seed 002 §5.2 / spec §6.1) through timm: RandAugment rand-m9-mstd0.5-inc1,
-Mixup 0.8, CutMix 1.0 (switch probability 0.5), label smoothing 0.1, random erasing 0.25, drop path 0.1
-(`drop_path_rate` in the config), AdamW with lr 5e-4 x global batch / 512 and weight decay 0.05 (none on norms,
-biases, position embeddings and the class token), cosine schedule with warm-up.
+The DeiT recipe (Touvron et al., arXiv 2012.12877, as arXiv 2204.04667 §5.2 and appendix H.2 use it) through timm:
+RandAugment rand-m9-mstd0.5-inc1, Mixup 0.8, CutMix 1.0 (switch probability 0.5), label smoothing 0.1, random erasing
+0.25, drop path 0.1 (`drop_path_rate` in the config), AdamW with lr 5e-4 x global batch / 512 and weight decay 0.05
+(none on norms, biases, position embeddings and the class token), cosine schedule with warm-up.
 
     python scripts/prepare_glyph_images.py --output_dir data/glyphs          # a small offline image set
     accelerate launch scripts/train_image_classification.py --recipe recipes/quickstart_image_classification.yaml

@@ -5,7 +5,8 @@ Three kinds of data (--corpus):
   text        any text: a local file (default: the English text that ships with CPython, no download), json/csv
               files, or a `datasets` dataset (--dataset_name); byte-level (token id == byte) for a new model, the
               checkpoint's tokenizer with --model_name_or_path (fine-tuning).
-  enwik8      enwik8-64K (seed 001 §5): the raw enwik8 file or zip, the 90M/5M/5M byte split, 65,536-byte blocks.
+  enwik8      enwik8-64K (Reformer, arXiv 2001.04451, §5): the raw enwik8 file or zip, the 90M/5M/5M byte split,
+              65,536-byte blocks.
   imagenet64  pixel-level image generation: each 64x64x3 image is 12,288 sub-pixel tokens (vocab 256 + a start
               token), from .npy/.npz arrays, image folders or a `datasets` dataset; bits/dim over all sub-pixels.
 

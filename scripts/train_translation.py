@@ -6,9 +6,9 @@
 
 Data: `datasets`' wmt/wmt14 (config de-en) or local JSON lines with the same {"translation": {"de", "en"}} rows.
 A shared byte-level BPE is trained on the training pairs (or loaded with --tokenizer_name). The encoder uses the
-config's `attn_layers`, the decoder `decoder_attn_layers` (seed 002 §5.4 replaces only the encoder's attention).
+config's `attn_layers`, the decoder `decoder_attn_layers` (arXiv 2204.04667 §5.4 replaces only the encoder's attention).
 Evaluation decodes with beam 4 and length penalty 0.6, optionally after averaging the last K checkpoints
-(seed 002 H.4), and reports sacreBLEU (with its signature) and a tokenised BLEU.
+(arXiv 2204.04667 appendix H.4), and reports sacreBLEU (with its signature) and a tokenised BLEU.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most new tokens per translation (0: --max_target_length)")
     decode.add_argument("--label_smoothing", type=float, default=0.1)
     decode.add_argument("--average_last_checkpoints", type=int, default=1,
-                        help="evaluate and save the mean weights of the last K checkpoints (seed 002: 10)")
+                        help="evaluate and save the mean weights of the last K checkpoints (arXiv 2204.04667: 10)")
     decode.add_argument("--eval_split", default="test", help="split of the final BLEU (falls back to validation)")
     add_training_arguments(parser, learning_rate=7e-4, adam_beta2=0.98, weight_decay=0.0,
                            lr_scheduler_type="inverse_sqrt", num_warmup_steps=4000, max_grad_norm=0.0,

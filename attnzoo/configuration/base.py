@@ -46,8 +46,10 @@ class ZooConfig(PreTrainedConfig):
             `num_hidden_layers` (e.g. `["local", "lsh"]`).
         is_decoder: causal self-attention (a decoder-only LM). Encoder-decoder models set `is_encoder_decoder`.
         num_decoder_layers / decoder_attn_layers: the decoder of an encoder-decoder model (default: same depth,
-            exact softmax self-attention; seed 002 §5.4 uses efficient attention only in the encoder).
-        reversible: reversible residual stack (seed 001 §3): activations are recomputed in the backward pass.
+            exact softmax self-attention; the RA/LARA paper, arXiv 2204.04667 §5.4, uses efficient attention only in
+            the encoder).
+        reversible: reversible residual stack (Reformer, arXiv 2001.04451, §3): activations are recomputed in the
+            backward pass.
         reversible_merge: how the reversible stack's two streams become the output: "mean" (width hidden_size) or
             "concat" (width 2 * hidden_size, the final LayerNorm and the heads read both streams side by side, as in
             trax's and transformers' Reformer; needs `tie_word_embeddings=False`). See `stack_output_size`.

@@ -1,6 +1,6 @@
 """Training-state checkpoints (`accelerator.save_state`) named by optimizer step: writing them so that a run killed
 mid-save never leaves a half-written "latest", finding the one to resume, rotating old ones, and averaging the
-weights of the last K (translation, seed 002 H.4)."""
+weights of the last K (translation, arXiv 2204.04667 appendix H.4)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Images as data: uint8 [H, W, 3] arrays from numpy files (.npy / .npz, e.g. the Downsampled-ImageNet 64x64
 release), image folders, or a `datasets` dataset; and their pixel-level language-modelling form (imagenet64).
 
-Pixel LM (seed 001 §5, imagenet64): an image is its H*W*3 sub-pixels in raster order (row, column, channel), each a
-256-way token. A start token (id 256) is prepended so that every sub-pixel, the first included, is predicted:
-input_ids = [256, x_0, ..., x_{n-1}], labels = [-100, x_0, ..., x_{n-1}]; the model therefore needs vocab_size 257
-and max_position_embeddings n + 1 (12,289 for 64x64). bits/dim = summed NLL / (n * ln 2) over all sub-pixels.
+Pixel LM (Reformer, arXiv 2001.04451, §5, imagenet64): an image is its H*W*3 sub-pixels in raster order (row, column,
+channel), each a 256-way token. A start token (id 256) is prepended so that every sub-pixel, the first included, is
+predicted: input_ids = [256, x_0, ..., x_{n-1}], labels = [-100, x_0, ..., x_{n-1}]; the model therefore needs
+vocab_size 257 and max_position_embeddings n + 1 (12,289 for 64x64). bits/dim = summed NLL / (n * ln 2) over all
+sub-pixels.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parallel text for translation: WMT14 from `datasets` (`wmt/wmt14`, config `de-en`) or local JSON lines with the
 same schema ({"translation": {"de": ..., "en": ...}}), a shared byte-level BPE trained with `tokenizers` (about 32K
-merges-based tokens for WMT14, seed 002 §5.4), and the tokenised examples a seq2seq collator pads."""
+merges-based tokens for WMT14, arXiv 2204.04667 §5.4), and the tokenised examples a seq2seq collator pads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Random-feature machinery shared by Performer (FAVOR+), elu+1 linear attention, RA and LARA.
 
-Spec: shared/spec/random_feature_attention.md §1 (notation: q̂ = d^{-1/4} q, so q̂·k̂ = q·k/√d).
+Notation (docs/random_feature_attention.md): q̂ = d^{-1/4} q, so q̂·k̂ = q·k/√d.
 
 - Projections: rows marginally N(0, I_d), i.i.d. or block-orthogonal with the QR sign fix (unbiased, §1.2 step 4).
 - Log-features: ℓ(x, w) = w·x̂ − ‖x̂‖²/2, so exp(ℓ) is Performer's positive map before the 1/√m factor.
@@ -9,9 +9,9 @@ Spec: shared/spec/random_feature_attention.md §1 (notation: q̂ = d^{-1/4} q, s
 
 Stabilisation: a per-query max over features and one constant shared by all keys of a sequence (per batch element
 and head) are subtracted from the log-features. Both cancel exactly between numerator and denominator because no
-ε is added to the features (spec §1.2, option (a)), so the shared key constant does not leak the future; decoding
-keeps a running max and rescales its state (option (b)), which gives the same outputs. The constants are detached.
-Everything is computed in float32 or wider.
+ε is added to the features (docs/random_feature_attention.md, section 2), so the shared key constant does not leak the
+future; decoding keeps a running max and rescales its state, which gives the same outputs. The constants
+are detached. Everything is computed in float32 or wider.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
 # -- sampling noise and SNIS (RA / LARA) --------------------------------------------------------------------
 def sample_noise_std(setting, head_dim: int) -> float:
     """σ of the sampling noise in pre-scaled coordinates: "paper" = 1 (exactly unbiased RA), "official" = d^(-1/4)
-    (what the official code's unscaled noise amounts to; spec §5.1), or a number."""
+    (what the official code's unscaled noise amounts to), or a number."""
     if setting == "paper":
         return 1.0
     if setting == "official":
@@ -172,7 +172,8 @@ def log_features_at(x_hat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
 
 def snis_attention(log_feat_q: torch.Tensor, log_feat_k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
                    log_proposal: torch.Tensor) -> torch.Tensor:
-    """Self-normalised (multiple) importance sampling attention, the core of RA and LARA (spec §2, §4.1, §4.6).
+    """Self-normalised (multiple) importance sampling attention, the core of RA and LARA
+    (docs/random_feature_attention.md, sections 3 and 4).
 
     For samples ω_c: out_n = Σ_c w_nc f(ω_c), f(ω_c) = Σ_m softmax_m(ℓ(k̂_m, ω_c)) v_m and
     w_n = softmax_c(log α_nc + ℓ(q̂_n, ω_c) + LSE_m ℓ(k̂_m, ω_c) − log q̃_c(ω_c)).

@@ -24,10 +24,11 @@ def interpreting() -> bool:
     (`tl.zeros`, `tl.sum`, ...) included, so it must be set before anything imports triton."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.zeros, InterpretedFunction)
+    # Imported by name: Triton stays optional, also for the copy of this code that checkpoints carry (transformers
+    # refuses remote code whose plain imports name a package that is not installed).
+    language = importlib.import_module("triton.language")
+    interpreter = importlib.import_module("triton.runtime.interpreter")
+    return isinstance(language.zeros, interpreter.InterpretedFunction)
 
 
 def triton_can_run(x: torch.Tensor) -> bool:

@@ -11,9 +11,7 @@ from attnzoo.modeling.attention import softmax_attention_reference
 from attnzoo.modeling.attention.random_features import (
     gaussian_projection,
     linear_attention_bidirectional,
-    linear_attention_causal,
     linear_attention_reference,
-    linear_attention_step,
     log_positive_features,
     positive_random_features,
     stabilised_key_features,
@@ -106,20 +104,6 @@ def test_bidirectional_linear_equals_quadratic():
     phi_q, phi_k, v = random_features()
     torch.testing.assert_close(linear_attention_bidirectional(phi_q, phi_k, v),
                                linear_attention_reference(phi_q, phi_k, v, None), rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("chunk", [1, 3, 4, 13, 20])
-def test_causal_chunked_equals_masked_quadratic_and_recurrent(chunk):
-    phi_q, phi_k, v = random_features()
-    causal = torch.ones(13, 13, dtype=torch.bool).tril()
-    expected = linear_attention_reference(phi_q, phi_k, v, causal)
-    torch.testing.assert_close(linear_attention_causal(phi_q, phi_k, v, chunk), expected, rtol=1e-10, atol=1e-12)
-    state = (torch.zeros(2, 3, 6, 4, dtype=torch.float64), torch.zeros(2, 3, 6, dtype=torch.float64))
-    steps = []
-    for t in range(13):
-        out, state = linear_attention_step(phi_q[:, :, t:t + 1], phi_k[:, :, t:t + 1], v[:, :, t:t + 1], state)
-        steps.append(out)
-    torch.testing.assert_close(torch.cat(steps, 2), expected, rtol=1e-10, atol=1e-12)
 
 
 # -- the stabilising constants cancel -------------------------------------------------------------------------------

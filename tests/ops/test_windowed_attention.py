@@ -1,5 +1,5 @@
 """Windowed chunk attention: the Triton kernels (interpreter on CPU) and FlexAttention against the PyTorch path
-`chunked.windowed_attention`, on the exact WindowMasks that LocalAttention and LSHAttention build (captured from
+`torch_window.windowed_attention`, on the exact WindowMasks that LocalAttention and LSHAttention build (captured from
 their forward), plus a hand-made mask with rows that have no allowed key."""
 
 import dataclasses
@@ -11,12 +11,12 @@ import torch
 import attnzoo.modeling.attention.local as local_module
 import attnzoo.modeling.attention.lsh as lsh_module
 from attnzoo import ZooReformerConfig
-from attnzoo.modeling.attention.chunked import WindowMask
-from attnzoo.modeling.attention.chunked import windowed_attention as torch_windowed_attention
 from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
 from attnzoo.ops.windowed_attention import windowed_attention
 from attnzoo.ops.windowed_attention.naive import naive_windowed_attention
+from attnzoo.ops.windowed_attention.torch_window import WindowMask
+from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
 from tests.ops.triton_helpers import DEVICE, needs_triton
 
 HIDDEN = 16

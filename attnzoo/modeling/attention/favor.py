@@ -1,8 +1,10 @@
 """Kernelised linear attention: Performer's FAVOR+ (positive or hyperbolic random features; "Rethinking Attention with
 Performers", arXiv 2009.14794) and the deterministic elu+1 map ("Transformers are RNNs", arXiv 2006.16236).
 
-Bidirectional attention uses the linear form, causal attention the chunked form, decoding the recurrent form with
-a `RecurrentStateLayer` holding (S, z, key constant): every new token costs the same whatever the context length.
+Bidirectional attention uses the linear form. Causal attention stabilises keys by their running maximum and runs
+the exact decayed causal form (`attnzoo.ops.decayed_linear_attention`: chunked PyTorch on the CPU, fused Triton
+kernels on CUDA); decoding runs its recurrent form from a `RecurrentStateLayer` holding (S, z, running max): every new
+token costs the same whatever the context length.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from attnzoo.modeling.attention.random_features import (
     elu_features,
     gaussian_projection,
     linear_attention_bidirectional,
-    linear_attention_causal,
     linear_attention_reference,
-    linear_attention_step,
     log_positive_features,
+    running_max_key_features,
     stabilised_key_features,
     stabilised_query_features,
 )
 from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.ops.decayed_linear_attention import decayed_linear_attention, decayed_linear_attention_step
 
 
 class KernelAttention(ZooAttention):
@@ -65,39 +67,27 @@ class KernelAttention(ZooAttention):
         key_mask = key_mask[:, past:] if key_mask is not None else None
         phi_q = stabilised_query_features(self.log_features(q, layer))
         log_phi_k = self.log_features(k, layer)
-        if layer is None:
+        if not self.causal:
             phi_k, _ = stabilised_key_features(log_phi_k, key_mask)
-            if self.causal:
-                out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size)
-            else:
-                out = linear_attention_bidirectional(phi_q, phi_k, v)
+            out = linear_attention_bidirectional(phi_q, phi_k, v)
         else:
-            out = self._decode(phi_q, log_phi_k, v, key_mask, layer)
+            out = self._causal(phi_q, log_phi_k, v, key_mask, layer)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def _decode(self, phi_q, log_phi_k, v, key_mask, layer: RecurrentStateLayer):
-        """Causal attention from a recurrent state: the key constant is a running max; when it grows, the state is
-        rescaled, so outputs equal the parallel form's."""
-        if key_mask is not None:
-            log_phi_k = log_phi_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
-        new_max = log_phi_k.amax(dim=(-2, -1), keepdim=True)
-        if layer.state:
-            s, z, c_old = layer.state["s"], layer.state["z"], layer.state["c"]
-            c = torch.maximum(c_old, new_max)
-            scale = torch.exp(c_old - c)
-            s, z = s * scale, z * scale[..., 0]
-        else:
-            c = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            s = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1], v.shape[-1])
-            z = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1])
-        phi_k = torch.exp(log_phi_k - c)
-        if phi_q.shape[2] == 1:
-            out, (s, z) = linear_attention_step(phi_q, phi_k, v, (s, z))
-        else:  # a multi-token prefill: the chunked form, then fold the new keys into the state
-            out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size, state=(s, z))
-            s = s + torch.einsum("bhnr,bhne->bhre", phi_k, v)
-            z = z + phi_k.sum(2)
-        layer.store(phi_q.shape[2], s=s, z=z, c=c)
+    def _causal(self, phi_q, log_phi_k, v, key_mask, layer: RecurrentStateLayer | None):
+        """Causal linear attention with keys stabilised by their running maximum: the chunked parallel form (fused on
+        CUDA), or, with a cache slot, the recurrent form continuing from its state (S, z, M) and storing the new
+        state. Both compute the same function; no output depends on a later token."""
+        state = (layer.state["s"], layer.state["z"], layer.state["m"]) if layer is not None and layer.state else None
+        phi_k, running_max = running_max_key_features(log_phi_k, key_mask, None if state is None else state[2])
+        if layer is None:
+            return decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size)
+        if phi_q.shape[2] == 1 and state is not None:
+            out, (s, z, m) = decayed_linear_attention_step(phi_q, phi_k, v, running_max, state)
+        else:  # a prefill, or several tokens at once over a cache
+            out, (s, z, m) = decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size,
+                                                      initial_state=state, return_state=True)
+        layer.store(phi_q.shape[2], s=s, z=z, m=m)
         return out
 
     def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):

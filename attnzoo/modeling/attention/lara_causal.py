@@ -6,7 +6,8 @@ The sequence is cut into chunks of `lara_chunk_size`; the proposal built from ch
 becomes available to queries in later chunks, next to a prior proposal μ_0 = 0 that is always available; the balance
 heuristic and the query-specific weights run over the available proposals only (normalised over proposals), and f
 sums over keys m ≤ n. Written as linear attention whose features are the proposals, it runs in the chunked causal
-form (training) and, for decoding, from a recurrent state (per-proposal prefix sums). Cost: O(N · N/chunk) time and
+form (training; `attnzoo.ops.decayed_linear_attention`, keys stabilised by their running maximum) and, for decoding,
+from a recurrent state (per-proposal prefix sums). Cost: O(N · N/chunk) time and
 memory, so a chunk of 64 makes it ~64x cheaper than softmax attention, but not linear.
 """
 
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 
 from attnzoo.modeling.attention.base import check_attention_mask
-from attnzoo.modeling.attention.random_features import linear_attention_causal, log_features_at
+from attnzoo.modeling.attention.random_features import log_features_at, running_max_key_features
 from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.ops.decayed_linear_attention import decayed_linear_attention
 
 ALPHA_FLOOR = 1e-8  # the official code's clamp: the query-specific correction can make α negative
 
@@ -98,15 +100,13 @@ class CausalLARA:
             n_real = torch.full((batch,), length, device=q.device)
         terms = self._causal_terms(q, k, v, n_real)
         log_a, log_k = terms["log_a"], terms["log_k"]
-        # Per-proposal key constants (detached) move to the query side, where they cancel in each query's ratio.
-        key_max = log_k.amax(dim=2, keepdim=True).detach()
-        key_max = torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max))
-        log_phi_q = log_a + key_max
-        phi_q = torch.exp(log_phi_q - log_phi_q.amax(-1, keepdim=True).detach())
-        phi_k = torch.exp(log_k - key_max)
-        out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size)
+        # Keys stabilised by their running maximum (no output can depend on a later token), queries by their own
+        # maximum over proposals: the exact decayed causal form (docs/random_feature_attention.md, section 2).
+        phi_k, running_max = running_max_key_features(log_k, None)
+        phi_q = torch.exp(log_a - log_a.amax(-1, keepdim=True).detach())
+        out = decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size)
         if layer is not None:
-            self._start_state(layer, q, k, v, n_real, terms, phi_k, key_max)
+            self._start_state(layer, q, k, v, n_real, terms)
         if order is not None:
             out = torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
         return out
@@ -115,9 +115,13 @@ class CausalLARA:
     def new_cache_layer(self):
         return LaraStateLayer()
 
-    def _start_state(self, layer, q, k, v, n_real, terms, phi_k, key_max):
+    def _start_state(self, layer, q, k, v, n_real, terms):
         """The state after a prefill: real keys/values (left-aligned), the proposals of completed chunks and their
-        prefix sums over all real keys, and the running landmark sums of the unfinished chunk."""
+        prefix sums over all real keys (relative to each proposal's largest key log-feature, which later tokens
+        raise as a running maximum), and the running landmark sums of the unfinished chunk."""
+        key_max = terms["log_k"].amax(dim=2, keepdim=True).detach()
+        key_max = torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max))
+        phi_k = torch.exp(terms["log_k"] - key_max)
         chunk, scale = self.chunk_size, self.head_dim ** -0.25
         counts = n_real.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         token_valid = terms["token_valid"]

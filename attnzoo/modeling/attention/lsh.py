@@ -3,7 +3,7 @@ Appendix A), vectorised over batch, heads and hash rounds.
 
 Queries and keys are shared (k = q / |q|). In each hash round every position is hashed by angular LSH
 (`lsh_hashing`), positions are sorted by (bucket, position), the sorted sequence is cut into chunks, and each chunk
-attends to a window of neighbouring chunks through `chunked.windowed_attention`; which keys of the window a query
+attends to a window of neighbouring chunks through `attnzoo.ops.windowed_attention`; which keys of the window a query
 may use is set by `lsh_window` (see `ZooReformerConfig`). A query's own key gets a large finite penalty, so it is used
 only when nothing else is. Rounds are combined through their log-sum-exps, with the duplicate correction computed by
 attending each key of the union in the first round that lists it. Short sequences (and, in causal layers, the first
@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
-from attnzoo.modeling.attention.chunked import WindowMask, mask_values, pad_to_multiple, windowed_attention
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.attention.lsh_hashing import (
     default_bucket_factors,
@@ -32,6 +31,8 @@ from attnzoo.modeling.attention.lsh_hashing import (
     sort_by_bucket,
 )
 from attnzoo.modeling.cache import TokenBufferLayer
+from attnzoo.ops.windowed_attention import windowed_attention
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, pad_to_multiple
 
 
 @register_attention("lsh")

@@ -28,8 +28,12 @@ Dot operands are in the inputs' dtype (float32 accumulation); float32 inputs use
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # optional: callers import this module only where Triton can run (inside `try`, so remote code needs no Triton)
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("the fused kernels need Triton (pip install triton); the PyTorch path needs nothing") from err
 
 from attnzoo.ops.triton_utils import dot_precision, feature_block
 

@@ -1,21 +1,21 @@
 """Windowed chunk attention, the core of Reformer's LSH and local attention, with fused backends.
 
-Same contract as `attnzoo.modeling.attention.chunked.windowed_attention`: q, k, v [N, C, m, d] (C chunks of m
-queries per row), each chunk attending to its own chunk, `before` chunks back and `after` ahead, with the keys a
-query may use described by a `WindowMask`; returns (out [N, C, m, d], lse [N, C, m]) with gradients through both.
+q, k, v [N, C, m, d] (C chunks of m queries per row), each chunk attending to its own chunk, `before` chunks back and
+`after` ahead, with the keys a query may use described by a `WindowMask`; returns (out [N, C, m, d], lse [N, C, m])
+with gradients through both.
 
-Backends: "torch" (the existing PyTorch path, the CPU path and the reference), "triton" (`triton_window`: fused
-flash-style kernels), "flex" (`flex`: PyTorch's FlexAttention with a block mask; backward on CUDA only). `naive`
-holds a dense reference written for autograd.
+Backends: "torch" (`torch_window`: the PyTorch path, the CPU path and the reference of the others), "triton"
+(`triton_window`: fused flash-style kernels), "flex" (`flex`: PyTorch's FlexAttention with a block mask; backward on
+CUDA only). `naive` holds a dense reference written for autograd.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnzoo.modeling.attention.chunked import WindowMask
-from attnzoo.modeling.attention.chunked import windowed_attention as torch_windowed_attention
 from attnzoo.ops.triton_utils import resolve_backend
+from attnzoo.ops.windowed_attention.torch_window import WindowMask
+from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
 
 __all__ = ["windowed_attention"]
 
@@ -35,24 +35,25 @@ def _check_inputs(q, k, v, mask: WindowMask) -> None:
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask, scale: float = 1.0,
-                       dropout_p: float = 0.0, backend: str = "auto"):
+                       dropout_p: float = 0.0, save_probs: bool = False, backend: str = "auto"):
     """Chunked attention over each chunk's window -> (out [N, C, m, d], lse [N, C, m]), both in q's dtype.
 
     backend: "auto" (Triton on CUDA when importable, else PyTorch), "torch", "triton" (CUDA, or the CPU under
     TRITON_INTERPRET=1) or "flex" (FlexAttention; forward only on the CPU). The fused backends have no dropout:
-    with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask itself.
+    with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask itself. `save_probs`
+    (PyTorch path) keeps the probabilities for the backward instead of recomputing them.
     """
     if backend not in WINDOW_BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {WINDOW_BACKENDS}.")
     _check_inputs(q, k, v, mask)
     if dropout_p > 0.0:
-        return torch_windowed_attention(q, k, v, mask, scale, dropout_p)
+        return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
     if backend == "flex":
         from attnzoo.ops.windowed_attention.flex import flex_windowed_attention
 
         return flex_windowed_attention(q, k, v, mask, scale)
     if resolve_backend(backend, q, "windowed_attention") == "torch":
-        return torch_windowed_attention(q, k, v, mask, scale)
+        return torch_windowed_attention(q, k, v, mask, scale, 0.0, save_probs)
     from attnzoo.ops.windowed_attention.triton_window import TritonWindowedAttention
 
     return TritonWindowedAttention.apply(q, k, v, mask, scale)

@@ -10,7 +10,7 @@ rule loops over the earlier rounds (row b is round b mod R).
 What the mask cannot say: a query's own key under `self_penalty` is not masked but scored with a finite constant,
 so the mask_mod allows it and a `score_mod` replaces its score by the self value (score_mod sees the scaled score).
 FlexAttention returns -inf as the log-sum-exp of a row with no allowed key; it is replaced by the masked floor, as
-`chunked.windowed_attention` returns it. The gradient of a row left with only its own key differs in one respect:
+`torch_window.windowed_attention` returns it. The gradient of a row left with only its own key differs in one respect:
 the self score is a constant here too, so it passes no gradient to q or k, exactly as in the PyTorch path.
 
 FlexAttention runs its backward on CUDA only (compiled there with torch.compile); on the CPU this runs the forward
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo.modeling.attention.chunked import WindowMask, mask_values
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values
 
 #: FlexAttention's sparse block size (its default): both the query and the key blocks of the block mask.
 FLEX_BLOCK_SIZE = 128
@@ -100,7 +100,7 @@ def _mask_functions(mask: WindowMask, rows: int, chunks: int, m: int, dtype: tor
 
 def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask,
                             scale: float = 1.0, block_size: int = FLEX_BLOCK_SIZE):
-    """(out [N, C, m, d], lse [N, C, m]) as `chunked.windowed_attention` (no dropout); see the module docstring."""
+    """(out [N, C, m, d], lse [N, C, m]) as `torch_window.windowed_attention` (no dropout); see the module docstring."""
     if not q.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise ValueError("FlexAttention has no backward on the CPU: run on CUDA, call under torch.no_grad() for "
                          "the forward only, or use backend='torch' (or 'triton') for gradients.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo.modeling.attention.chunked import WindowMask, mask_values, windows
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, windows
 
 
 def naive_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask,

@@ -1,6 +1,6 @@
 """Windowed chunk attention as flash-attention-style Triton kernels (CUDA; verified on the CPU with Triton's
-interpreter). Same contract as `chunked.windowed_attention` without dropout: q, k, v [N, C, m, d] and a `WindowMask`
--> (out [N, C, m, d], lse [N, C, m]), differentiable in q, k, v through both outputs.
+interpreter). Same contract as `torch_window.windowed_attention` without dropout: q, k, v [N, C, m, d] and a
+`WindowMask` -> (out [N, C, m, d], lse [N, C, m]), differentiable in q, k, v through both outputs.
 
 The dense [m, W] masks are never built: every kernel recomputes a tile's mask in registers from the per-position
 integers of the `WindowMask` (read with their own strides, so broadcast metadata is not copied):
@@ -27,11 +27,15 @@ dS is zeroed at a query's own key (its score is a constant) and in rows whose ls
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from attnzoo.modeling.attention.chunked import WindowMask, mask_values
+try:  # optional: callers import this module only where Triton can run (inside `try`, so remote code needs no Triton)
+    import triton
+    import triton.language as tl
+except ImportError as err:
+    raise ImportError("the fused kernels need Triton (pip install triton); the PyTorch path needs nothing") from err
+
 from attnzoo.ops.triton_utils import dot_precision, feature_block
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values
 
 
 @triton.jit

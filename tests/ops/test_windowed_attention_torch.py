@@ -1,10 +1,11 @@
-"""The windowed chunk-attention kernel that LSH and local attention share (`attention/chunked.py`): its backward
-against autograd of the same math, and the duplicate-correction mask against a dense construction."""
+"""The PyTorch windowed chunk-attention kernel that LSH and local attention share
+(`ops/windowed_attention/torch_window.py`): its backward against autograd of the same math, and the
+duplicate-correction mask against a dense construction."""
 
 import pytest
 import torch
 
-from attnzoo.modeling.attention.chunked import WindowMask, windowed_attention, windows
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, windowed_attention, windows
 
 
 @pytest.mark.parametrize("save_probs", [False, True])

@@ -114,7 +114,7 @@ def evaluate_translation(script, args, data, model, accelerator) -> dict:
     split = args.split if args.split in raw else "validation"
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     tokenized = tokenize_pairs({split: raw[split]}, tokenizer, data)
-    generation = accelerator.unwrap_model(model).generation_config
+    generation = accelerator.unwrap_model(model, keep_torch_compile=False).generation_config
     if args.num_beams is not None:
         generation.num_beams = args.num_beams
     if args.length_penalty is not None:

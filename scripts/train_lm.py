@@ -209,7 +209,8 @@ def main(argv=None):
         results["image_size"] = args.image_size
     accelerator.log({k: v for k, v in results.items() if k.endswith("bits_per_dim")}, step=step)
     if tokenizer is not None:
-        tokenizer.model_max_length = accelerator.unwrap_model(model).config.max_position_embeddings
+        plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+        tokenizer.model_max_length = plain_model.config.max_position_embeddings
     unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")  # also right for fine-tuning
     accelerator.print(f"held-out bits/dim: {eval_bpd:.4f}"

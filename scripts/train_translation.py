@@ -147,7 +147,7 @@ def smoothed_loss(model, batch, label_smoothing: float, pad_id: int, start_id: i
 @torch.no_grad()
 def translate(model, loader, tokenizer, accelerator, max_batches: int = 0) -> list[str]:
     """Beam-search translations of every example of the (sharded) loader, gathered in dataset order."""
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     was_training = unwrapped.training
     unwrapped.eval()
     mine = []
@@ -249,7 +249,7 @@ def average_last_checkpoints(accelerator, model, args, output_dir: Path, step: i
         save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
     folders = [folder for _, folder in list_checkpoints(output_dir) if not verify_checkpoint(folder)][-k:]
     averaged = average_checkpoint_weights(folders)
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     missing, unexpected = unwrapped.load_state_dict(averaged, strict=False)
     tied = set(getattr(unwrapped, "_tied_weights_keys", None) or {})
     if unexpected or set(missing) - tied:

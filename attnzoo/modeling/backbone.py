@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -218,6 +219,10 @@ class ZooTransformer(nn.Module):
         # The recomputing backward would write a cache twice; with a cache (decoding) plain autograd is used.
         cached = block_kwargs["past_key_values"] is not None
         if needs_grad and self.use_reversible_backward and all_hidden is None and not cached:
+            if torch.compiler.is_compiling():
+                # torch.compile cannot trace the recomputing backward (it captures RNG states and calls autograd
+                # inside backward); there each block is activation-checkpointed instead, which compile traces.
+                return self._checkpointed_streams(hidden, encoder_hidden_states, block_kwargs)
             params = [p for p in self.blocks.parameters() if p.requires_grad]
             return ReversibleStackFunction.apply(self.blocks, block_kwargs, self.concat_streams, hidden,
                                                  encoder_hidden_states, *params)
@@ -230,6 +235,19 @@ class ZooTransformer(nn.Module):
             x2 = x2 + block.feed_forward_branch(x1)
             if all_hidden is not None:
                 all_hidden.append(self._merge(x1, x2))
+        return self._merge(x1, x2)
+
+    def _checkpointed_streams(self, hidden, encoder_hidden_states, block_kwargs):
+        """The two streams with each block's activations recomputed in the backward pass (torch.utils.checkpoint):
+        memory grows with depth by two stream tensors per block instead of by all of a block's activations."""
+
+        def block_step(block, x1, x2, context):
+            y1 = x1 + block.attention_branch(x2, context, **block_kwargs)
+            return y1, x2 + block.feed_forward_branch(y1)
+
+        x1 = x2 = hidden
+        for block in self.blocks:
+            x1, x2 = checkpoint(block_step, block, x1, x2, encoder_hidden_states, use_reentrant=False)
         return self._merge(x1, x2)
 
     def _merge(self, x1, x2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -38,7 +39,9 @@ class AxialPositionEmbedding(nn.Module):
         return [getattr(self, f"weight_{axis}") for axis in range(len(self.shape))]
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        parts = [weight[(position_ids // stride) % size]
+        # An embedding lookup rather than `weight[index]`: torch.compile's CPU backend mis-compiles the indexing's
+        # backward here (an index out of bounds at run time), and the embedding is what nn.Embedding runs anyway.
+        parts = [F.embedding((position_ids // stride) % size, weight)
                  for weight, stride, size in zip(self.weights, self.strides, self.shape, strict=True)]
         return torch.cat(parts, dim=-1)
 

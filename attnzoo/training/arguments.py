@@ -44,6 +44,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--num_train_epochs", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
+    g.add_argument("--torch_compile", action="store_true",
+                   help="compile the model with torch.compile (inductor, whole graph, one graph per input shape); the "
+                        "first steps then take a while to compile")
     g.add_argument("--cpu_threads", type=int, default=0,
                    help="CPU threads per process on a CPU run (0: the machine's cores split between the processes; "
                         "accelerate launch would otherwise leave one)")

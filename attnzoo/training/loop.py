@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, send_to_device
+from accelerate.utils import DataLoaderConfiguration, TorchDynamoPlugin, send_to_device
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
@@ -30,6 +30,7 @@ from attnzoo.training.recipes import parse_model_overrides
 from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before its module's state-dict keys
 LM_NO_DECAY = ("embed", "position", "cls_token")  # the LM script's historical choice: no decay on any embedding
 VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, position embeddings and the class token
 
@@ -46,9 +47,20 @@ def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
         project_dir=str(output_dir),
         log_with=trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        dynamo_plugin=compile_plugin(args),
     )
     set_cpu_threads(getattr(args, "cpu_threads", 0), accelerator.device)
     return accelerator
+
+
+def compile_plugin(args: argparse.Namespace) -> TorchDynamoPlugin | None:
+    """`--torch_compile`: accelerate compiles the prepared model. Whole-graph (every family traces without graph
+    breaks) and static shapes: training batches have one shape, and Reformer's checkpointed reversible stack does
+    not trace with symbolic shapes in torch 2.14 (docs/compile.md). Without the flag, accelerate's own
+    `--dynamo_backend` setting still applies."""
+    if not getattr(args, "torch_compile", False):
+        return None
+    return TorchDynamoPlugin(backend="inductor", fullgraph=True, dynamic=False)
 
 
 def new_model_config(family: str, values: dict, overrides: list[str]):
@@ -258,9 +270,12 @@ def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, to
     """`save_pretrained` of the unwrapped model (full weights, also under FSDP) plus the tokenizer; returns the
     unwrapped model."""
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if state_dict is None:
         state_dict = accelerator.get_state_dict(model)
+    # accelerate's default unwrap keeps a --torch_compile wrapper, whose state dict prefixes every key with
+    # "_orig_mod."; the saved model must load into an uncompiled one.
+    state_dict = {key.removeprefix(COMPILED_PREFIX): value for key, value in state_dict.items()}
     unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
                               save_function=accelerator.save, state_dict=state_dict)
     if tokenizer is not None and accelerator.is_main_process:

@@ -10,7 +10,8 @@ import torch
 from attnzoo import ZooRAConfig
 from attnzoo.modeling.attention import RandomizedAttention, softmax_attention_reference
 from attnzoo.modeling.attention.base import allowed_keys
-from attnzoo.modeling.attention.randomized import counter_uniform, sample_index, sample_omega
+from attnzoo.modeling.attention.counter_random import counter_uniform
+from attnzoo.modeling.attention.randomized import sample_index, sample_omega
 from tests.attention.helpers import assert_same_values_and_gradients
 
 D = 8

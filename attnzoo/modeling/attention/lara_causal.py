@@ -60,7 +60,7 @@ class CausalLARA:
         available = torch.arange(chunks + 1, device=q.device)[None, :] <= query_chunk[:, None]  # [N, P]
         # Balance heuristic over the available proposals: a running log-sum-exp over p' ≤ j.
         running = torch.logcumsumexp(log_density, dim=-1)  # [B, H, P(sample), P(prefix end)]
-        log_balance = own.unsqueeze(-2) - running.transpose(-1, -2)[:, :, query_chunk]  # [B, H, N, P]
+        log_balance = own.unsqueeze(-2) - running.transpose(-1, -2).index_select(2, query_chunk)  # [B, H, N, P]
         # Mask before exp: an unavailable proposal's value can overflow, and inf would turn its zero gradient NaN.
         alpha = log_balance.masked_fill(~available, float("-inf")).exp()
         if self.weighting == "query_specific":

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
+from attnzoo.modeling.attention.counter_random import counter_normal
 from attnzoo.modeling.attention.lsh_hashing import (
     default_bucket_factors,
     hash_buckets,
@@ -55,8 +56,6 @@ class LSHAttention(ChunkedAttention):
         self.full_attention_threshold = self.chunk_length if threshold is None else threshold
         self.window = config.lsh_window
         self.duplicate_correction = config.lsh_duplicate_correction
-        #: how many times `hash_vectors` ran (tests check the reversible backward reuses the forward's buckets)
-        self.hash_calls = 0
 
     # -- pieces ---------------------------------------------------------------------------------------------
     @property
@@ -79,23 +78,22 @@ class LSHAttention(ChunkedAttention):
         return None if self.training else self.eval_seed
 
     def draw_rotations(self, batch: int, num_hashes: int, factors: list[int], device) -> torch.Tensor:
-        """[batch, heads, rounds, head_dim, sum(f/2)] Gaussian rotations, drawn in float32 whatever the model's dtype
-        (so a bf16 model hashes like its float32 original). With a seed (`rotation_seed`, plus the layer index so
-        layers differ) they come from a generator: `lsh_hash_seed` gives every example its own rotations as training
-        does; the evaluation seed gives the whole batch one set, so an example's output does not depend on the batch
-        it is in. Without a seed they come from the global RNG, one set per example."""
+        """[batch, heads, rounds, head_dim, sum(f/2)] Gaussian rotations, in float32 whatever the model's dtype (so a
+        bf16 model hashes like its float32 original). With a seed (`rotation_seed`, plus the layer index so layers
+        differ) they are counter-based draws, deterministic and compile-friendly: `lsh_hash_seed` gives every example
+        its own rotations as training does; the evaluation seed gives the whole batch one set, so an example's
+        output does not depend on the batch it is in. Without a seed they come from the global RNG, one set per
+        example."""
         seed = self.rotation_seed()
         shared = self.hash_seed is None and seed is not None
         shape = (1 if shared else batch, self.num_heads, num_hashes, self.head_dim, sum(f // 2 for f in factors))
         if seed is None:
             return torch.randn(shape, device=device)
-        generator = torch.Generator(device=device).manual_seed(seed + self.layer_idx)
-        rotations = torch.randn(shape, device=device, generator=generator)
+        rotations = counter_normal(seed + self.layer_idx, shape, device)
         return rotations.expand(batch, -1, -1, -1, -1) if shared else rotations
 
     def hash_vectors(self, qk, rotations, factors, valid) -> torch.Tensor:
         """[B, H, R, L] buckets of the shared-QK vectors; padded positions (valid False) get the extra bucket."""
-        self.hash_calls += 1
         buckets = hash_buckets(qk, rotations, factors)
         if valid is not None:
             buckets = buckets.masked_fill(~valid[:, None, None, :], math.prod(factors))

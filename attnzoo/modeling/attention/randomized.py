@@ -17,32 +17,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
+from attnzoo.modeling.attention.counter_random import counter_uniform
 from attnzoo.modeling.attention.random_features import sample_noise_std
-
-
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """(x * constant) mod 2**32 for int64 x in [0, 2**32), in two 16-bit halves so no int64 product overflows."""
-    low, high = constant & 0xFFFF, constant >> 16
-    return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash with good avalanche (the "lowbias32" mixer), elementwise on int64 tensors."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors), each a
-    function of (seed, counters) alone: the same element gets the same number whatever else is in the tensor. Used
-    for draws that must not depend on the batch, the sequence length or a cache (evaluation-mode sampling)."""
-    state = _hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64, device=counters[0].device))
-    for counter in counters:
-        state = _hash32(state ^ (counter.to(torch.int64) & 0xFFFFFFFF))
-    return (state.double() + 0.5) / 4294967296.0
 
 
 def sample_index(scores: torch.Tensor, num_samples: int, uniform: torch.Tensor | None = None) -> torch.Tensor:

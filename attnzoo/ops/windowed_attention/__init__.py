@@ -46,6 +46,12 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     if backend not in WINDOW_BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {WINDOW_BACKENDS}.")
     _check_inputs(q, k, v, mask)
+    if torch.compiler.is_compiling() and not q.is_cuda:
+        # The hand-written backward (an autograd.Function) does not trace with dynamic shapes inside a checkpointed
+        # reversible block; the plain-ops form does, and the compiler fuses it.
+        from attnzoo.ops.windowed_attention.naive import naive_windowed_attention
+
+        return naive_windowed_attention(q, k, v, mask, scale, dropout_p)
     if dropout_p > 0.0:
         return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
     if backend == "flex":

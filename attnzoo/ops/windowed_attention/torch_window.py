@@ -114,20 +114,16 @@ class WindowMask:
             lo, hi = self.group_band
             offsets = self.slot_offsets(self.groups.device)
             blocked = blocked | ((offsets < lo) | (offsets > hi))
-            blocked |= self.window(self.groups, -1).unsqueeze(-2) != self.groups.unsqueeze(-1)
+            blocked = blocked | (self.window(self.groups, -1).unsqueeze(-2) != self.groups.unsqueeze(-1))
         if self.causal:
-            later = self.window(self.positions, 0).unsqueeze(-2) > self.positions.unsqueeze(-1)
-            if blocked.shape == full:
-                blocked |= later
-            else:
-                blocked = blocked | later
+            blocked = blocked | (self.window(self.positions, 0).unsqueeze(-2) > self.positions.unsqueeze(-1))
         if self.round_locations is not None and self.round_locations.shape[-1] > 1:
-            blocked = blocked.expand(full).contiguous()  # a copy only when it was broadcast
-            self._block_earlier_candidates_(blocked)
+            blocked = self._with_earlier_candidates(blocked.expand(full))
         return blocked.expand(full)
 
-    def _block_earlier_candidates_(self, blocked: torch.Tensor) -> None:
-        """Set `blocked` [N, C, m, W] where the window key was a candidate of the query in an earlier round."""
+    def _with_earlier_candidates(self, blocked: torch.Tensor) -> torch.Tensor:
+        """`blocked` [N, C, m, W] plus the window keys that were a candidate of the query in an earlier round (out of
+        place: in-place updates of slices of a bool tensor do not compile)."""
         rounds = self.round_locations.shape[-1]
         if blocked.shape[0] % rounds:
             raise ValueError(f"round_locations lists {rounds} hash rounds, but there are {blocked.shape[0]} rows: "
@@ -137,21 +133,40 @@ class WindowMask:
         query_locations = self.round_locations.view(-1, rounds, *self.round_locations.shape[1:])  # [G, R, C, m, R']
         key_locations = self.window(self.round_locations, 0, rest_dims=1)
         key_locations = key_locations.view(-1, rounds, *key_locations.shape[1:])  # [G, R, C, W, R']
-        # Earlier round e against the rows of the rounds after it: [.., m, W] comparisons, the largest tensors here.
-        for earlier in range(rounds - 1):
-            q = query_locations[:, earlier + 1:, ..., earlier].unsqueeze(-1)
-            k = key_locations[:, earlier + 1:, ..., earlier].unsqueeze(-2)
-            per_round[:, earlier + 1:] |= (k >= q + lo) & (k <= q + hi)
+        # The rows of round r against every earlier round e: [.., m, W] comparisons, the largest tensors here.
+        rows = [per_round[:, 0]]
+        for row_round in range(1, rounds):
+            listed = None
+            for earlier in range(row_round):
+                q = query_locations[:, row_round, ..., earlier].unsqueeze(-1)
+                k = key_locations[:, row_round, ..., earlier].unsqueeze(-2)
+                hit = (k >= q + lo) & (k <= q + hi)
+                listed = hit if listed is None else listed | hit
+            rows.append(per_round[:, row_round] | listed)
+        return torch.stack(rows, dim=1).view_as(blocked)
 
     def apply_(self, scores: torch.Tensor) -> torch.Tensor:
         """Mask [N, C, m, W] scores in place: -inf where disallowed (including keys an earlier round attended),
         then the self penalty."""
         scores.masked_fill_(self.disallowed(), float("-inf"))
         if self.self_penalty:
-            m = self.chunk_length
-            own_block = scores.narrow(-1, self.before * m, m)
-            own_block.diagonal(dim1=-2, dim2=-1).fill_(mask_values(scores.dtype)[1])
+            scores.masked_fill_(self._own_key(scores), mask_values(scores.dtype)[1])
         return scores
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        """`apply_` without writing into `scores`: the reference path's form, which torch.compile traces with
+        dynamic shapes inside activation checkpointing (in-place writes to views there fail to trace)."""
+        scores = scores.masked_fill(self.disallowed(), float("-inf"))
+        if self.self_penalty:
+            scores = scores.masked_fill(self._own_key(scores), mask_values(scores.dtype)[1])
+        return scores
+
+    def _own_key(self, scores: torch.Tensor) -> torch.Tensor:
+        """[m, W] True where a query meets its own key: window column `before * m + i` for chunk row i."""
+        m = self.chunk_length
+        rows = torch.arange(m, device=scores.device)
+        cols = torch.arange(scores.shape[-1], device=scores.device)
+        return cols[None, :] == rows[:, None] + self.before * m
 
 
 def _padded_flat(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
@@ -168,7 +183,7 @@ def _flat_windows(padded: torch.Tensor, num_chunks: int, blocks: int) -> torch.T
     No copy. Windows at the ends of a row of C chunks reach into the neighbouring row (or the zero padding); those
     keys are always masked, so their probabilities and gradients are exactly 0."""
     _, m, d = padded.shape
-    return padded.as_strided((num_chunks, blocks * m, d), (m * d, d, 1), padded.storage_offset())
+    return padded.as_strided((num_chunks, blocks * m, d), (m * d, d, 1))  # from the tensor's own offset
 
 
 def _masked_scores(q, k_windows, mask: WindowMask, scale: float) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""Counter-based random numbers: each draw is a hash of (seed, counters), so the same element gets the same number
+whatever else is drawn with it, on any device, inside torch.compile (no `torch.Generator`) and without touching the
+global RNG. Evaluation-mode draws use them (RA's sampled indices, LSH's rotations), so evaluation is deterministic and
+independent of the batch, the sequence length and a decoding cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 x in [0, 2**32), in two 16-bit halves so no int64 product overflows."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (the "lowbias32" mixer), elementwise on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors)."""
+    state = _hash32(torch.full((), seed & 0xFFFFFFFF, dtype=torch.int64, device=counters[0].device))
+    for counter in counters:
+        state = _hash32(state ^ (counter.to(torch.int64) & 0xFFFFFFFF))
+    return (state.double() + 0.5) / 4294967296.0
+
+
+def counter_normal(seed: int, shape: tuple[int, ...], device, dtype=torch.float32) -> torch.Tensor:
+    """Standard normal numbers of `shape`, element i a function of (seed, i) alone (Box-Muller on two counter
+    uniforms)."""
+    index = torch.arange(math.prod(shape), device=device).view(shape)
+    u1 = counter_uniform(seed, index, torch.zeros((), dtype=torch.int64, device=device))
+    u2 = counter_uniform(seed, index, torch.ones((), dtype=torch.int64, device=device))
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).to(dtype)

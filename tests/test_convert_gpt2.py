@@ -266,3 +266,23 @@ def test_base_model_reloads_with_auto_model(tmp_path):
     model = AutoModel.from_pretrained(tmp_path / "dst")
     assert type(model).__name__ == "ZooPerformerModel"
     assert model(token_ids()).last_hidden_state.shape == (2, 40, 32)
+
+
+# -- uptraining end to end ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_uptraining_a_converted_gpt2_with_train_lm_and_the_recipe(saved_source, tmp_path):
+    """The README's three lines: convert, fine-tune with recipes/uptrain_lm.yaml, evaluate."""
+    from tests.scripts_helpers import QUIET, ROOT, results, run_script
+
+    converted, out = tmp_path / "performer", tmp_path / "uptrained"
+    gpt2.main([str(saved_source), str(converted), "--family", "performer", "--config", "num_random_features=16"])
+    short = ["--block_size", "32", "--max_eval_batches", "4", "--per_device_eval_batch_size", "4"]
+    before = run_script("evaluate", ["--model_name_or_path", converted, *short])["bits_per_dim"]
+    bpd = run_script("train_lm", ["--recipe", ROOT / "recipes" / "uptrain_lm.yaml", "--model_name_or_path", converted,
+                                  "--output_dir", out, "--max_train_steps", "8", "--num_warmup_steps", "1",
+                                  "--learning_rate", "3e-3", "--per_device_train_batch_size", "4", "--eval_steps", "0",
+                                  "--sample_tokens", "8", *short, *QUIET])
+    found = results(out)
+    assert found["family"] == "performer" and found["train_steps"] == 8 and bpd < before
+    after = run_script("evaluate", ["--model_name_or_path", out, *short])["bits_per_dim"]
+    assert after == pytest.approx(bpd, rel=1e-6)

@@ -182,3 +182,26 @@ def test_unknown_source_key_is_named_and_nothing_is_written(tmp_path):
     with pytest.raises(ValueError, match="fixed by the source checkpoint"):
         vit.convert(tiny_vit(), "lara", {"pooling": "mean"})
     assert not list(tmp_path.iterdir())
+
+
+# -- fine-tuning end to end -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_fine_tuning_a_converted_vit_keeps_its_size_and_normalisation(saved_source, tmp_path):
+    """train_image_classification.py --model_name_or_path on a converted timm ViT: the image size, mean/std and crop
+    come from the checkpoint (vit_tiny's 0.5/0.5, crop 0.9), the head is replaced for the new labels."""
+    from tests.scripts_helpers import QUIET, run_script, write_image_folders
+
+    images = write_image_folders(tmp_path / "glyphs", image_size=16, per_class=6, validation=2)
+    converted, out = tmp_path / "lara", tmp_path / "run"
+    vit.main([str(saved_source), str(converted), "--family", "lara", "--config", "lara_num_samples=4"])
+    accuracy = run_script("train_image_classification", [
+        "--model_name_or_path", converted, "--train_dir", images / "train", "--validation_dir",
+        images / "validation", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
+        "--max_train_steps", "3", "--num_warmup_steps", "1", "--output_dir", out, *QUIET])
+    model = AutoModelForImageClassification.from_pretrained(out)
+    assert model.config.model_type == "attnzoo_lara" and model.config.num_labels == 10
+    processor = AutoImageProcessor.from_pretrained(out)
+    assert processor.size == {"shortest_edge": 16} and processor.crop_pct == 0.9
+    assert list(processor.image_mean) == [0.5] * 3 and list(processor.image_std) == [0.5] * 3
+    evaluated = run_script("evaluate", ["--model_name_or_path", out])
+    assert evaluated["top1_accuracy"] == pytest.approx(accuracy)

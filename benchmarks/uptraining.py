@@ -54,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(command: list[str], log: list[str]) -> None:
-    """Run a repository command (a fresh process per run, so no state leaks between them) and record it."""
+def run(command: list[str], log: list[str], execute: bool = True) -> None:
+    """Record a repository command and, if `execute`, run it (a fresh process per run, so no state leaks between
+    runs). A run reused from an earlier invocation is recorded without running, so the report lists every command."""
     log.append(" ".join(str(c) for c in command))
-    print("$", log[-1], flush=True)
-    subprocess.run([sys.executable, *[str(c) for c in command]], cwd=ROOT, check=True)
+    if execute:
+        print("$", log[-1], flush=True)
+        subprocess.run([sys.executable, *[str(c) for c in command]], cwd=ROOT, check=True)
 
 
 def save_gpt2_source_init(folder: Path, args) -> None:
@@ -89,7 +91,7 @@ def save_scratch_init(converted: Path, folder: Path, seed: int) -> None:
 
 
 def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path | None = None,
-          learning_rate: float | None = None) -> None:
+          learning_rate: float | None = None, execute: bool = True) -> None:
     """scripts/train_lm.py from the checkpoint `init` for `steps` steps (the recipe's settings, or the source's)."""
     command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out, "--max_train_steps", steps,
                "--block_size", args.block_size, "--per_device_train_batch_size", args.batch,
@@ -99,14 +101,14 @@ def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path 
         command = [*command[:1], "--recipe", recipe.relative_to(ROOT), *command[1:]]
     else:
         command += ["--learning_rate", learning_rate, "--num_warmup_steps", max(1, steps // 15)]
-    run(command, log)
+    run(command, log, execute)
 
 
-def evaluate(folder: Path, args, log: list[str]) -> float:
+def evaluate(folder: Path, args, log: list[str], execute: bool = True) -> float:
     """Held-out bits/dim of a saved model (scripts/evaluate.py, the same held-out split as train_lm.py)."""
     result_file = folder / "evaluation.json"
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--block_size", args.block_size,
-         "--output_file", result_file], log)
+         "--output_file", result_file], log, execute)
     return json.loads(result_file.read_text())["bits_per_dim"]
 
 
@@ -119,40 +121,50 @@ def read_run(folder: Path) -> dict:
             "curve": [{"step": s, "eval_bits_per_dim": curve[s]} for s in sorted(curve)]}
 
 
-def done(folder: Path, args) -> bool:
-    return (folder / "all_results.json").is_file() and not args.retrain
+def relative(path: Path) -> str:
+    """`path` as written from the repository root when it lies inside it (results stay machine-independent)."""
+    path = Path(path).absolute()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    out, log, started = args.output_dir, [], time.time()
+    out, log, reused, started = args.output_dir, [], [], time.time()
     source_init, source = out / "source_init", out / "source"
     total_steps = args.source_steps + args.finetune_steps
-    if not done(source, args):
+
+    def fresh(folder: Path, marker: str = "all_results.json") -> bool:
+        """Whether `folder`'s run must be (re)done; a finished one is reused unless --retrain."""
+        if (folder / marker).is_file() and not args.retrain:
+            reused.append(folder.name)
+            return False
+        return True
+
+    if execute := fresh(source):
         save_gpt2_source_init(source_init, args)
-        train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate)
+    train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
+          execute=execute)
     runs = {"source": read_run(source)}
-    if not done(out / "softmax_continued", args):
-        train(source, out / "softmax_continued", args.finetune_steps, args, log, recipe=FINETUNE_RECIPE)
+    train(source, out / "softmax_continued", args.finetune_steps, args, log, recipe=FINETUNE_RECIPE,
+          execute=fresh(out / "softmax_continued"))
     runs["softmax_continued"] = read_run(out / "softmax_continued")
     families = {}
     for family in args.families:
         converted, uptrained = out / f"{family}_converted", out / f"{family}_uptrained"
         scratch_init, scratch = out / f"{family}_scratch_init", out / f"{family}_scratch"
-        if not (converted / "evaluation.json").is_file() or args.retrain:
-            if converted.exists():
-                import shutil
+        if (execute := fresh(converted, "evaluation.json")) and converted.exists():
+            import shutil
 
-                shutil.rmtree(converted)
-            run(["-m", "attnzoo.convert.gpt2", source, converted, "--family", family, "--seed", args.seed,
-                 "--config", *FAMILY_SETTINGS[family]], log)
-            evaluate(converted, args, log)
-        zero_shot = json.loads((converted / "evaluation.json").read_text())["bits_per_dim"]
-        if not done(uptrained, args):
-            train(converted, uptrained, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE)
-        if not done(scratch, args):
+            shutil.rmtree(converted)
+        run(["-m", "attnzoo.convert.gpt2", source, converted, "--family", family, "--seed", args.seed,
+             "--config", *FAMILY_SETTINGS[family]], log, execute)
+        zero_shot = evaluate(converted, args, log, execute)
+        train(converted, uptrained, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE,
+              execute=fresh(uptrained))
+        if execute := fresh(scratch):
             save_scratch_init(converted, scratch_init, args.seed)
-            train(scratch_init, scratch, total_steps, args, log, learning_rate=args.source_learning_rate)
+        train(scratch_init, scratch, total_steps, args, log, learning_rate=args.source_learning_rate,
+              execute=execute)
         families[family] = {"converted_before_finetuning": zero_shot, "uptrained": read_run(uptrained),
                             "scratch": read_run(scratch), "settings": FAMILY_SETTINGS[family]}
     source_bpd = runs["source"]["eval_bits_per_dim"]
@@ -163,11 +175,13 @@ def main(argv=None) -> dict:
         summary[family] = {"converted_before_finetuning": r["converted_before_finetuning"], "uptrained": up,
                            "scratch_same_total_steps": scratch, "uptrained_minus_source": up - source_bpd,
                            "uptrained_minus_scratch": up - scratch}
-    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
+    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
     setup.update(total_steps=total_steps, finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
                  source_model="transformers GPT2LMHeadModel", corpus="CPython pydoc topics, byte-level")
+    # wall_seconds covers this invocation; runs listed in reused_runs were read from an earlier one (each run's
+    # own train_seconds is kept with it)
     report = {"setup": setup, "summary": summary, "source_runs": runs, "families": families, "commands": log,
-              "wall_seconds": round(time.time() - started, 1)}
+              "reused_runs": reused, "wall_seconds": round(time.time() - started, 1)}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(report, indent=2))
     plot(report, args.results.with_suffix(".png"))

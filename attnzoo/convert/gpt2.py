@@ -14,7 +14,7 @@ and their attention settings from `--config`; their attention then approximates 
 (`benchmarks/conversion_fidelity.py` measures how closely) and is fine-tuned from there, as "Finetuning Pretrained
 Transformers into RNNs" (arXiv 2103.13076) does for linear attention.
 
-Reformer conversions keep the family's layer pattern, alternating local and LSH attention (arXiv 2001.04451, §5):
+Reformer conversions keep the family's layer pattern, alternating local and LSH attention (as trax's enwik8 config):
 local layers take q/k/v as they are and equal the source's attention for queries whose keys all lie in their
 window; LSH layers share one query-key projection, which starts as the source's query projection (the key
 projection is dropped), so they change the attention more. `--config attn_layers=[lsh]` makes every layer LSH,
@@ -215,8 +215,9 @@ def load_tokenizer(src: str):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m attnzoo.convert.gpt2", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("src", help="GPT2LMHeadModel / GPT2Model checkpoint: a folder or a Hub id")
     add_converter_arguments(parser)
     args = parser.parse_args(argv)

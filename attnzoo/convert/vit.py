@@ -288,8 +288,9 @@ def load_source(src: str, timm_model: str | None = None):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m attnzoo.convert.vit", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("src", help="timm model name, Hub id, timm folder or checkpoint file")
     add_converter_arguments(parser)
     parser.add_argument("--timm_model", default=None,

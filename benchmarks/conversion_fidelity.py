@@ -1,14 +1,16 @@
 """Fidelity of the attention swap: how far a converted model's outputs are from its softmax source, before any
 fine-tuning, as each family's approximation gets finer (more random features, samples, proposals or hash rounds).
 
-    nice -n 5 python benchmarks/conversion_fidelity.py      # a few minutes once the sources exist
+    nice -n 5 python benchmarks/conversion_fidelity.py      # ~30 min on 2 busy cores, most of it training the ViT
 
 Sources (trained here, no download):
 - a byte-level GPT-2 (transformers' GPT2LMHeadModel): benchmarks/uptraining.py's source (`--gpt2`, default
   runs/uptraining/source; trained with that script's defaults when missing), measured on 256-byte blocks of its
   held-out text;
-- a timm ViT (vit_tiny_patch16_224's architecture at 32x32 pixels, patch 4: 64 patches + a class token) trained here
-  for `--vit_epochs` epochs on rendered digits (scripts/prepare_glyph_images.py), measured on their validation split.
+- a timm ViT (vit_tiny_patch16_224's block at 32x32 pixels, patch 4: 64 patches + a class token; 4 layers x 96)
+  trained here for `--vit_epochs` epochs (AdamW, one-cycle schedule, no augmentation) on 6,000 rendered digits
+  (scripts/prepare_glyph_images.py --train_per_class 600), measured on 200 images of their validation split; saved
+  to `--vit_dir` and reused.
 Each is converted with attnzoo.convert.gpt2 / attnzoo.convert.vit. The error is KL(source || converted) of the
 output distributions (next byte; class), in nats per prediction; with the held-out bits/dim (GPT-2) and the top-1
 agreement with the source (ViT). Knobs: Performer num_random_features; RA ra_num_samples; LARA lara_num_samples
@@ -54,9 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpt2", type=Path, default=Path("runs/uptraining/source"))
     p.add_argument("--gpt2_blocks", type=int, default=24, help="held-out 256-byte blocks to measure on")
-    p.add_argument("--glyphs", type=Path, default=Path("data/glyphs"))
+    p.add_argument("--glyphs", type=Path, default=Path("data/glyphs_fidelity"),
+                   help="rendered digits, 600 training images per class (made here when missing)")
     p.add_argument("--vit_dir", type=Path, default=Path("runs/conversion_fidelity/vit"))
-    p.add_argument("--vit_epochs", type=int, default=6)
+    p.add_argument("--vit_epochs", type=int, default=12)
+    p.add_argument("--vit_learning_rate", type=float, default=2e-3)
     p.add_argument("--vit_images", type=int, default=200, help="validation images to measure on")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--results", type=Path, default=RESULTS / "conversion_fidelity.json")
@@ -93,8 +97,8 @@ def glyph_loaders(folder: Path, data_config: dict, images: int):
     from torchvision import datasets, transforms
 
     if not (folder / "train").is_dir():
-        subprocess.run([sys.executable, "scripts/prepare_glyph_images.py", "--output_dir", str(folder)], cwd=ROOT,
-                       check=True)
+        subprocess.run([sys.executable, "scripts/prepare_glyph_images.py", "--output_dir", str(folder),
+                        "--train_per_class", "600"], cwd=ROOT, check=True)
     transform = transforms.Compose([transforms.ToTensor(),
                                     transforms.Normalize(data_config["mean"], data_config["std"])])
     train = datasets.ImageFolder(folder / "train", transform)
@@ -118,9 +122,10 @@ def vit_source(args):
     if (folder / "config.json").is_file():
         model = timm.create_model(f"local-dir:{folder}", pretrained=True)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.vit_learning_rate, weight_decay=0.05)
         steps = args.vit_epochs * len(train)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1e-3, total_steps=steps, pct_start=0.1)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.vit_learning_rate, total_steps=steps,
+                                                       pct_start=0.1)
         model.train()
         for _ in range(args.vit_epochs):
             for x, y in train:
@@ -132,7 +137,11 @@ def vit_source(args):
         folder.mkdir(parents=True, exist_ok=True)
         _hub.save_for_hf(model, str(folder))
     x, y = map(torch.cat, zip(*list(validation), strict=True))
-    return model.eval(), x, y
+    model.eval()
+    with torch.no_grad():
+        print(f"ViT source: top-1 {(model(x).argmax(-1) == y).double().mean().item():.3f} on {len(y)} validation "
+              "images", flush=True)
+    return model, x, y
 
 
 # -- measurements -----------------------------------------------------------------------------------------------

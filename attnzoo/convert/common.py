@@ -35,10 +35,10 @@ PROJECTION_LAYOUTS = (
 )
 
 #: settings a conversion starts from unless the user overrides them (see `build_config`). LARA's landmark transform
-#: is off: a softmax model has none, and LARA approximates the source's own attention best without one (the
-#: RA/LARA paper's approximation study feeds a softmax model's q and k to parameter-free landmarks; arXiv 2204.04667,
-#: Appendix H.1). `--config lara_landmark_transform=true` adds it, starting from the identity (see
-#: `init_attention_extras`).
+#: (a Linear + LayerNorm on the landmarks; "Linear Complexity Randomized Self-attention Mechanism", arXiv 2204.04667,
+#: §4) is off: a softmax model has none to carry over, and without it the landmarks are segment means of the source's
+#: own queries and keys, whereas even an identity-started transform's LayerNorm would rescale them.
+#: `--config lara_landmark_transform=true` adds it, starting from the identity Linear (see `init_attention_extras`).
 CONVERSION_DEFAULTS = {"lara": {"lara_landmark_transform": False}}
 
 

@@ -1,23 +1,12 @@
 """Registers each family's config and model classes with transformers' Auto classes."""
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-)
+import transformers
+from transformers import AutoConfig
 
-AUTO_CLASS_BY_HEAD = {
-    "Model": AutoModel,
-    "ForCausalLM": AutoModelForCausalLM,
-    "ForMaskedLM": AutoModelForMaskedLM,
-    "ForSequenceClassification": AutoModelForSequenceClassification,
-    "ForImageClassification": AutoModelForImageClassification,
-    "ForConditionalGeneration": AutoModelForSeq2SeqLM,
-}
+from attnzoo.remote_code import AUTO_CLASS_BY_HEAD as AUTO_CLASS_NAME_BY_HEAD
+
+#: head suffix (`ForCausalLM`, ...) -> the transformers Auto class that loads it
+AUTO_CLASS_BY_HEAD = {head: getattr(transformers, name) for head, name in AUTO_CLASS_NAME_BY_HEAD.items()}
 
 
 def register_family(config_class, module, prefix: str) -> None:

@@ -1,12 +1,14 @@
-"""Seed 002 Table 6: time and peak memory of softmax, Performer, LARA and RA, side by side in one run.
+"""Table 6 of "Linear Complexity Randomized Self-attention Mechanism" (arXiv 2204.04667, §5.5 and appendix H.5):
+time and peak memory of softmax, Performer, LARA and RA, side by side in one run.
 
     python benchmarks/randomized_efficiency.py --device cuda
-    python benchmarks/randomized_efficiency.py --device cpu --lengths 1024 2048 4096
+    python benchmarks/randomized_efficiency.py --device cpu --lengths 1024 2048   # the committed CPU result
 
-Set-up (spec §6.3): an 8-layer encoder, hidden 192, 3 heads, FFN 768, 16 random features (Performer) and 16
-samples (LARA), RA with one sample; lengths 1K-8K; one forward + backward of the encoder on random inputs
-(`inputs_embeds`, batch `--batch`). Every configuration runs in its own worker process; see benchmarks/harness.py
-for how time (median) and peak memory are read. Results: benchmarks/results/randomized_efficiency_<device>.json/.png,
+Set-up (the paper's appendix H.5 and Table 6): an 8-layer encoder, hidden 192, 3 heads, 16 random features
+(Performer) and 16 samples (LARA), lengths 1K-8K. The paper does not state the FFN width or RA's sample count:
+here FFN 768 (4x hidden) and one sample. One forward + backward of the encoder on random inputs (`inputs_embeds`,
+batch `--batch`). Every configuration runs in its own worker process; see benchmarks/harness.py for how time
+(median) and peak memory are read. Results: benchmarks/results/randomized_efficiency_<device>.json/.png,
 with every figure also given as a ratio to softmax at the same length.
 """
 

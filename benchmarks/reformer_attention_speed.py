@@ -1,4 +1,5 @@
-"""Seed 001, Figure 5 (right) at CPU scale: attention speed as the length grows with the total number of tokens fixed.
+"""Figure 5 (right) of "Reformer: The Efficient Transformer" (arXiv 2001.04451) at CPU scale: attention speed as
+the length grows with the total number of tokens fixed.
 
     python benchmarks/reformer_attention_speed.py --recipe benchmarks/recipes/reformer_attention_speed.yaml
 
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None):
     first, last = str(args.lengths[0]), str(args.lengths[-1])
     growth = {kind: points[last] / points[first] for kind, points in seconds.items()}
     config = {k: v for k, v in vars(args).items() if k not in {"output", "recipe", "device"}}
-    report = {"experiment": "seed 001 Figure 5 right (attention speed, fixed total tokens)", "device": args.device,
-              "config": config, "seconds": seconds, f"time_at_{last}_over_time_at_{first}": growth}
+    report = {"experiment": "Reformer (arXiv 2001.04451) Figure 5, right (attention speed, fixed total tokens)",
+              "device": args.device, "config": config, "seconds": seconds,
+              f"time_at_{last}_over_time_at_{first}": growth}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     plot(report, args.output.with_suffix(".png"))

@@ -1,10 +1,11 @@
-"""Seed 001, Table 2 at CPU scale: the duplication task, trained with full and LSH attention, evaluated with both.
+"""Table 2 of "Reformer: The Efficient Transformer" (arXiv 2001.04451, §2.1) at CPU scale: the duplication task,
+trained with full and LSH attention, evaluated with both.
 
     python benchmarks/reformer_duplication.py --recipe benchmarks/recipes/reformer_duplication.yaml
 
 Each example is 0 w 0 w with w drawn uniformly from the symbols 1..N (N = 127, as in the paper); a causal LM
 predicts every next symbol, and loss and accuracy count only the second copy of w (the positions that can be
-predicted). The model is seed 001's: one layer, d_model = d_ff = 256, 4 heads, shared-QK attention. One model is
+predicted). The model is the paper's: one layer, d_model = d_ff = 256, 4 heads, shared-QK attention. One model is
 trained per setting (full attention, LSH with 1, 2, 4 rounds); every trained model is then evaluated with full
 attention and with 8, 4, 2 and 1 hash rounds (`lsh_num_hashes_eval`). "Full attention" is the LSH layer's exact
 path (`lsh_full_attention_threshold` >= the length): shared-QK softmax over every earlier position, as LSH
@@ -33,7 +34,7 @@ from harness import run_worker  # noqa: E402
 from attnzoo.training.recipes import parse_with_recipe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-PAPER_TABLE_2 = {  # seed 001, Table 2: train setting -> {eval setting: accuracy %}
+PAPER_TABLE_2 = {  # Reformer (arXiv 2001.04451), Table 2: train setting -> {eval setting: accuracy %}
     "full": {"full": 100.0, "lsh8": 94.8, "lsh4": 92.5, "lsh2": 76.9, "lsh1": 52.5},
     "lsh4": {"full": 0.8, "lsh8": 100.0, "lsh4": 99.9, "lsh2": 99.4, "lsh1": 91.9},
     "lsh2": {"full": 0.8, "lsh8": 100.0, "lsh4": 99.9, "lsh2": 98.1, "lsh1": 86.8},
@@ -138,7 +139,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, (title, table) in zip(axes[:2], [("this run (accuracy %)", {t: report["results"][t]["eval"] for t in
                                                                           trains}),
-                                               ("seed 001, Table 2 (accuracy %)", PAPER_TABLE_2)], strict=True):
+                                               ("Reformer paper, Table 2 (accuracy %)", PAPER_TABLE_2)], strict=True):
         cells = [[table.get(t, {}).get(e, {"accuracy": math.nan}) for e in evals] for t in trains]
         values = [[c["accuracy"] if isinstance(c, dict) else c for c in row] for row in cells]
         ax.imshow(values, vmin=0, vmax=100, cmap="viridis")
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None):
     if failed:
         raise SystemExit(f"training failed for {failed} (see the worker errors above)")
     config = {k: v for k, v in vars(args).items() if k not in {"worker", "output", "recipe", "jobs"}}
-    report = {"experiment": "seed 001 Table 2 (duplication task)", "config": config,
+    report = {"experiment": "Reformer (arXiv 2001.04451) Table 2 (duplication task)", "config": config,
               "train_settings": args.train_settings, "eval_settings": args.eval_settings,
               "results": {r["train"]: r for r in done}, "paper_table_2": PAPER_TABLE_2}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None):
         paper = PAPER_TABLE_2.get(t, {})
         print(t.ljust(14) + "".join(f"{row[e]['accuracy']:7.1f} ({paper.get(e, math.nan):5.1f})".rjust(16)
                                     for e in args.eval_settings))
-    print("(this run's accuracy %, seed 001's in brackets)")
+    print("(this run's accuracy %, the Reformer paper's in brackets)")
     print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
 
 

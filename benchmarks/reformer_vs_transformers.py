@@ -55,7 +55,7 @@ RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("attnzoo", "transformers", "softmax")
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, CHUNK, HASHES = 256, 256, 4, 6, 1024, 64, 2
-FFN_CHUNK = 2048  # feed-forward chunk length (seed 001 §3), the same for both Reformers
+FFN_CHUNK = 2048  # feed-forward chunk length (Reformer, arXiv 2001.04451, §3), the same for both Reformers
 
 
 def axial_shape(length: int) -> tuple[int, int]:

@@ -1,7 +1,9 @@
 """Train several variants of one language model with scripts/train_lm.py and compare their held-out bits/dim curves.
 
-    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_shared_qk_reversible.yaml   # seed 001 Fig. 3
-    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_hash_rounds.yaml            # seed 001 Fig. 4
+    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_shared_qk_reversible.yaml   # Figure 3
+    python benchmarks/train_lm_variants.py benchmarks/recipes/reformer_hash_rounds.yaml            # Figure 4
+
+(Figures 3 and 4 of "Reformer: The Efficient Transformer", arXiv 2001.04451, at CPU scale.)
 
 An experiment file (YAML) holds:
   experiment   a title;

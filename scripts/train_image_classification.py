@@ -1,9 +1,9 @@
 """Train a DeiT-style image classifier with any attnzoo family and report top-1 accuracy.
 
-The DeiT recipe (Touvron et al. 2021; seed 002 §5.2 / spec §6.1) through timm: RandAugment rand-m9-mstd0.5-inc1,
-Mixup 0.8, CutMix 1.0 (switch probability 0.5), label smoothing 0.1, random erasing 0.25, drop path 0.1
-(`drop_path_rate` in the config), AdamW with lr 5e-4 x global batch / 512 and weight decay 0.05 (none on norms,
-biases, position embeddings and the class token), cosine schedule with warm-up.
+The DeiT recipe (Touvron et al., arXiv 2012.12877, as arXiv 2204.04667 §5.2 and appendix H.2 use it) through timm:
+RandAugment rand-m9-mstd0.5-inc1, Mixup 0.8, CutMix 1.0 (switch probability 0.5), label smoothing 0.1, random erasing
+0.25, drop path 0.1 (`drop_path_rate` in the config), AdamW with lr 5e-4 x global batch / 512 and weight decay 0.05
+(none on norms, biases, position embeddings and the class token), cosine schedule with warm-up.
 
     python scripts/prepare_glyph_images.py --output_dir data/glyphs          # a small offline image set
     accelerate launch scripts/train_image_classification.py --recipe recipes/quickstart_image_classification.yaml
@@ -30,15 +30,12 @@ from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
     build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
-    optimizer_steps_per_epoch,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -200,7 +197,10 @@ def build_model(args, names: list[str]):
         return AutoModelForImageClassification.from_pretrained(
             args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
             label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+    # The blocks see the patches and the class token; LSH attention sizes its default bucket count from this length.
+    num_tokens = (args.image_size // args.patch_size) ** 2 + 1
     values = dict(image_size=args.image_size, patch_size=args.patch_size, num_channels=3, num_labels=len(names),
+                  max_position_embeddings=num_tokens,
                   id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
                   drop_path_rate=args.drop_path_rate, layer_norm_eps=1e-6)
     return AutoModelForImageClassification.from_config(new_model_config(args.family, values, args.model))
@@ -227,8 +227,10 @@ def main(argv=None):
     with accelerator.main_process_first():
         raw, names = load_labelled_images(args)
     train_transform, eval_transform = build_transforms(args)
-    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed)
-    validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column)
+    train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed,
+                               skip_bad=args.skip_bad_examples)
+    validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column,
+                                    skip_bad=args.skip_bad_examples)
     model = build_model(args, names)
     mixup = build_mixup(args, len(names))
 
@@ -238,18 +240,10 @@ def main(argv=None):
         args.min_learning_rate = args.min_learning_rate * global_batch / args.lr_scaling_batch
     loader = train_loader(train_set, args.per_device_train_batch_size, args.seed, collate_fn=collate_images)
     validation_loader = eval_loader(validation_set, args.per_device_eval_batch_size, accelerator, collate_images)
-    optimizer = build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    if args.num_warmup_epochs:
-        per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
-        args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
-
-    accelerator.init_trackers("train_image_classification",
-                              {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, loader, "train_image_classification",
+                      optimizer=build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY))
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(names)} classes, {len(train_set)} training images, "
                       f"global batch {global_batch}, lr {args.learning_rate:.3g}, {max_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
@@ -257,14 +251,14 @@ def main(argv=None):
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         pixels, labels = batch["pixel_values"], batch["labels"]
         if mixup is not None:
             pixels, targets = mixup(pixels, labels)
         else:
             targets = smoothed_one_hot(labels, len(names), args.label_smoothing)
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss)
+                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss, guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -273,7 +267,7 @@ def main(argv=None):
         record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_accuracy"] = evaluate_top1(model, validation_loader, accelerator, args.max_eval_batches)
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()

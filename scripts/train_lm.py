@@ -5,7 +5,8 @@ Three kinds of data (--corpus):
   text        any text: a local file (default: the English text that ships with CPython, no download), json/csv
               files, or a `datasets` dataset (--dataset_name); byte-level (token id == byte) for a new model, the
               checkpoint's tokenizer with --model_name_or_path (fine-tuning).
-  enwik8      enwik8-64K (seed 001 §5): the raw enwik8 file or zip, the 90M/5M/5M byte split, 65,536-byte blocks.
+  enwik8      enwik8-64K (Reformer, arXiv 2001.04451, §5): the raw enwik8 file or zip, the 90M/5M/5M byte split,
+              65,536-byte blocks.
   imagenet64  pixel-level image generation: each 64x64x3 image is 12,288 sub-pixel tokens (vocab 256 + a start
               token), from .npy/.npz arrays, image folders or a `datasets` dataset; bits/dim over all sub-pixels.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from attnzoo.tokenization import byte_level_tokenizer
+from attnzoo.tokenization import byte_level_tokenizer, is_byte_level
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
 from attnzoo.training.image_data import (
     PIXEL_VOCAB_SIZE,
@@ -36,15 +37,12 @@ from attnzoo.training.image_data import (
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
-    build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -116,8 +114,7 @@ def load_tokenizer(args):
         return None, True
     name = args.tokenizer_name or args.model_name_or_path
     tokenizer = byte_level_tokenizer() if name is None else AutoTokenizer.from_pretrained(name)
-    byte_level = len(tokenizer) == 256 and tokenizer("Az", add_special_tokens=False).input_ids == [65, 122]
-    return tokenizer, byte_level
+    return tokenizer, is_byte_level(tokenizer)
 
 
 def load_datasets(args, tokenizer, byte_level: bool):
@@ -137,12 +134,14 @@ def load_datasets(args, tokenizer, byte_level: bool):
             args.block_size)
 
 
-def build_model(args, sequence_length: int, vocab_size: int):
+def build_model(args, sequence_length: int, vocab_size: int, tokenizer=None):
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-    config = new_model_config(args.family, dict(vocab_size=vocab_size, max_position_embeddings=sequence_length,
-                                                is_decoder=True), args.model)
-    return AutoModelForCausalLM.from_config(config)
+    values = dict(vocab_size=vocab_size, max_position_embeddings=sequence_length, is_decoder=True)
+    if tokenizer is not None:  # generate() stops at the end of a text and pads batches with these
+        values.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(new_model_config(args.family, values, args.model))
 
 
 def main(argv=None):
@@ -156,21 +155,16 @@ def main(argv=None):
     with accelerator.main_process_first():  # `datasets` caches are built once
         train_set, heldout_set, test_set, sequence_length = load_datasets(args, tokenizer, byte_level)
     vocab_size = PIXEL_VOCAB_SIZE if args.corpus == "imagenet64" else len(tokenizer)
-    model = build_model(args, sequence_length, vocab_size)
+    model = build_model(args, sequence_length, vocab_size, tokenizer)
     if model.config.max_position_embeddings < sequence_length:
         raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
                          f"{model.config.max_position_embeddings}; lower --block_size.")
 
-    loader = train_loader(train_set, args.per_device_train_batch_size, args.seed)
     heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
-    optimizer = build_optimizer(model, args)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
-
-    accelerator.init_trackers("train_lm", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, train_loader(train_set, args.per_device_train_batch_size, args.seed),
+                      "train_lm")
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} training sequences of {sequence_length} "
                       f"tokens, {len(heldout_set)} held-out, {max_steps} steps, {accelerator.num_processes} "
                       "process(es)")
@@ -179,10 +173,10 @@ def main(argv=None):
     started = time.time()
     model.train()
     last_eval = None  # (step, bits/dim) of the newest evaluation in the loop
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
                              lambda b=batch: model(input_ids=b["input_ids"],
-                                                   labels=b.get("labels", b["input_ids"])).loss)
+                                                   labels=b.get("labels", b["input_ids"])).loss, guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -195,7 +189,7 @@ def main(argv=None):
             record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
                                                                 args.max_eval_batches)
             last_eval = (step, record["eval_bits_per_dim"])
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()
@@ -238,7 +232,7 @@ def lm_card(args, model, results: dict):
         evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation",
                                      task_type="unconditional-image-generation")]
     else:
-        name = args.dataset_name or Path(args.train_file or "cpython-pydoc-topics").name
+        name = args.dataset_name or Path(args.train_file or "cpython-pydoc-topics.txt").name
         dataset = (name, args.dataset_name or "text")
         evals = [bits_per_dim_result(results["eval_bits_per_dim"], *dataset, "validation")]
     return build_model_card(
@@ -249,11 +243,13 @@ def lm_card(args, model, results: dict):
 
 
 def sample(model_dir: Path, prompt: str, new_tokens: int) -> str:
-    """Reload the saved folder the way a user would and generate greedily."""
+    """Reload the saved folder the way a user would and generate greedily, at most as many tokens as the model has
+    positions (the prompt's last tokens are kept if it alone fills them)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    positions = model.config.max_position_embeddings
+    ids = tokenizer(prompt, return_tensors="pt").input_ids[:, -(positions - 1):]
+    out = model.generate(ids, max_new_tokens=min(new_tokens, positions - ids.shape[1]), do_sample=False)
     return tokenizer.decode(out[0], errors="replace")
 
 

@@ -6,9 +6,9 @@
 
 Data: `datasets`' wmt/wmt14 (config de-en) or local JSON lines with the same {"translation": {"de", "en"}} rows.
 A shared byte-level BPE is trained on the training pairs (or loaded with --tokenizer_name). The encoder uses the
-config's `attn_layers`, the decoder `decoder_attn_layers` (seed 002 §5.4 replaces only the encoder's attention).
+config's `attn_layers`, the decoder `decoder_attn_layers` (arXiv 2204.04667 §5.4 replaces only the encoder's attention).
 Evaluation decodes with beam 4 and length penalty 0.6, optionally after averaging the last K checkpoints
-(seed 002 H.4), and reports sacreBLEU (with its signature) and a tokenised BLEU.
+(arXiv 2204.04667 appendix H.4), and reports sacreBLEU (with its signature) and a tokenised BLEU.
 """
 
 from __future__ import annotations
@@ -24,20 +24,22 @@ from transformers import AutoModelForSeq2SeqLM, DataCollatorForSeq2Seq
 
 from attnzoo.modeling.heads import shift_tokens_right
 from attnzoo.training.arguments import add_model_arguments, add_training_arguments, check_training_arguments
-from attnzoo.training.checkpoints import average_checkpoint_weights, list_checkpoints, save_checkpoint
+from attnzoo.training.checkpoints import (
+    average_checkpoint_weights,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
-    build_optimizer,
-    build_scheduler,
     eval_loader,
     log_and_checkpoint,
     new_model_config,
+    prepare_run,
     progress_bar,
-    resume_if_asked,
     save_final_model,
     to_device,
-    total_train_steps,
     train_batches,
     train_loader,
     training_record,
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most new tokens per translation (0: --max_target_length)")
     decode.add_argument("--label_smoothing", type=float, default=0.1)
     decode.add_argument("--average_last_checkpoints", type=int, default=1,
-                        help="evaluate and save the mean weights of the last K checkpoints (seed 002: 10)")
+                        help="evaluate and save the mean weights of the last K checkpoints (arXiv 2204.04667: 10)")
     decode.add_argument("--eval_split", default="test", help="split of the final BLEU (falls back to validation)")
     add_training_arguments(parser, learning_rate=7e-4, adam_beta2=0.98, weight_decay=0.0,
                            lr_scheduler_type="inverse_sqrt", num_warmup_steps=4000, max_grad_norm=0.0,
@@ -190,23 +192,18 @@ def main(argv=None):
     loader = train_loader(tokenized["train"], args.per_device_train_batch_size, args.seed, collate_fn=collator)
     validation_loader = eval_loader(tokenized["validation"], args.per_device_eval_batch_size, accelerator, collator)
     validation_refs = references(raw["validation"], args.target_lang)
-    optimizer = build_optimizer(model, args)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    max_steps = total_train_steps(args, len(loader))
-    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    step = resume_if_asked(accelerator, args)
-
-    accelerator.init_trackers("train_translation", {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
-    n_params = sum(p.numel() for p in model.parameters())
+    run = prepare_run(accelerator, args, model, loader, "train_translation")
+    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
+    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, {len(tokenized['train'])} "
                       f"training pairs, {max_steps} steps, {accelerator.num_processes} process(es)")
     progress = progress_bar(accelerator, max_steps, step)
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in train_batches(accelerator, loader, step) if step < max_steps else ():
+    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
         loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id))
+                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id), guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -217,7 +214,7 @@ def main(argv=None):
             bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
                                     args.max_eval_batches)
             record["eval_bleu"] = bleu["sacrebleu"]["score"]
-        log_and_checkpoint(accelerator, args, output_dir, step, record)
+        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
         if step >= max_steps:
             break
     progress.close()
@@ -248,9 +245,9 @@ def average_last_checkpoints(accelerator, model, args, output_dir: Path, step: i
     k = args.average_last_checkpoints
     if k <= 1:
         return 1
-    if not any(s == step for s, _ in list_checkpoints(output_dir)):
+    if not any(s == step and not verify_checkpoint(f) for s, f in list_checkpoints(output_dir)):
         save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
-    folders = [folder for _, folder in list_checkpoints(output_dir)][-k:]
+    folders = [folder for _, folder in list_checkpoints(output_dir) if not verify_checkpoint(folder)][-k:]
     averaged = average_checkpoint_weights(folders)
     unwrapped = accelerator.unwrap_model(model)
     missing, unexpected = unwrapped.load_state_dict(averaged, strict=False)

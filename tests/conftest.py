@@ -1,4 +1,15 @@
+"""Suite-wide set-up. Without a GPU, the fused ops' Triton kernels (attnzoo/ops) run on the CPU through Triton's
+interpreter, which is how tests/ops verifies them here. Triton decides between compiling and interpreting whenever a
+function is decorated with `@triton.jit`, its own library included, so TRITON_INTERPRET must be set before anything
+imports triton (transformers and torch may): this root conftest is imported before any test module."""
+
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

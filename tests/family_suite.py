@@ -11,26 +11,11 @@ import importlib
 
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForMaskedLM,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-)
+from transformers import AutoConfig
 
 import attnzoo  # noqa: F401  (registers the Auto classes)
+from attnzoo.registration import AUTO_CLASS_BY_HEAD as AUTO
 
-AUTO = {
-    "Model": AutoModel,
-    "ForCausalLM": AutoModelForCausalLM,
-    "ForMaskedLM": AutoModelForMaskedLM,
-    "ForSequenceClassification": AutoModelForSequenceClassification,
-    "ForImageClassification": AutoModelForImageClassification,
-    "ForConditionalGeneration": AutoModelForSeq2SeqLM,
-}
 VOCAB = 61
 
 
@@ -113,7 +98,6 @@ class FamilySuite:
     def test_bad_config_raises_value_error(self):
         bad_values = [
             dict(num_attention_heads=5),  # does not divide hidden_size
-            dict(attn_layers=["no-such-attention"]),
             dict(position_embedding_type="rotary-ish"),
             dict(hidden_dropout_prob=1.5),
             dict(chunk_size_feed_forward=-1),
@@ -125,6 +109,9 @@ class FamilySuite:
         for values in bad_values:
             with pytest.raises(ValueError):
                 self.make_config(**values)
+        # Attention names are checked where the blocks are built (the registry is open to new attentions).
+        with pytest.raises(ValueError, match="attn_layers.*no-such-attention"):
+            self.model_class("ForCausalLM")(self.make_config(attn_layers=["no-such-attention"]))
 
     def test_wrong_input_shapes_raise_value_error(self):
         model = self.build("ForCausalLM").eval()
@@ -285,3 +272,60 @@ class FamilySuite:
         soft_targets = torch.tensor([[0.8, 0.1, 0.1], [0.0, 0.5, 0.5]])
         soft = model(pixel_values=pixels, labels=soft_targets).loss
         assert torch.isfinite(hard) and torch.isfinite(soft)
+
+    # -- what Hugging Face users touch first --------------------------------------------------------------------
+    #: config values that turn on the family's randomness at evaluation where the suite's overrides turn it off
+    evaluation_randomness: dict = {}
+
+    def test_evaluation_is_deterministic_and_cached_decoding_equals_the_full_forward(self):
+        model = self.build("ForCausalLM", **self.evaluation_randomness).eval()
+        ids = self.inputs_for("ForCausalLM", length=40)["input_ids"]
+        with torch.no_grad():
+            first, second = model(ids).logits, model(ids).logits
+            alone = model(ids[1:]).logits  # an example's output does not depend on its batch
+        assert torch.equal(first, second)
+        torch.testing.assert_close(alone, first[1:], atol=self.atol, rtol=1e-5)
+        out = model.generate(ids[:, :30], max_new_tokens=10, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        with torch.no_grad():
+            full = model(out.sequences[:, :-1], use_cache=False).logits[:, 29:]
+        torch.testing.assert_close(torch.stack(out.logits, 1), full, atol=self.atol, rtol=1e-4)
+
+    @pytest.mark.parametrize("head", list(AUTO))
+    def test_builds_on_the_meta_device(self, head):
+        with torch.device("meta"):
+            model = self.model_class(head)(self.make_config())
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+
+    def test_torch_export_of_a_decoder_equals_eager(self):
+        model = self.build("ForCausalLM").eval()
+        ids = self.inputs_for("ForCausalLM", length=20)["input_ids"]
+        program = torch.export.export(model, (ids,))
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(ids).logits, model(ids).logits, atol=1e-6, rtol=1e-5)
+
+    def test_assisted_and_prompt_lookup_decoding_equal_greedy_or_refuse_clearly(self):
+        model = self.build("ForCausalLM").eval()
+        ids = self.inputs_for("ForCausalLM", length=16)["input_ids"][:1]
+        ids = torch.cat([ids, ids], dim=1)  # repeats, so prompt lookup finds candidates
+        kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+        greedy = model.generate(ids, **kwargs)
+        for strategy in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=model)):
+            if model._is_stateful:  # a recurrent state cannot be rolled back to a rejected candidate
+                with pytest.raises(ValueError, match="stateful"):
+                    model.generate(ids, **strategy, **kwargs)
+            else:
+                assert torch.equal(model.generate(ids, **strategy, **kwargs), greedy), strategy
+
+    def test_hidden_states_and_return_dict_follow_transformers(self):
+        model = self.build("ForCausalLM").eval()
+        ids = self.inputs_for("ForCausalLM")["input_ids"]
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+            final = model.model(ids).last_hidden_state
+        assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+        torch.testing.assert_close(out.hidden_states[-1], final, rtol=0, atol=0)  # normalised, as GPT-2's
+        model.config.return_dict = False
+        with torch.no_grad():
+            as_tuple = model(ids)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)

@@ -18,15 +18,21 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-FAMILIES = ("softmax", "performer")  # the families registered today; reformer/ra/lara arrive later
+FAMILIES = ("softmax", "reformer", "performer", "ra", "lara")
 
 TINY = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=64"]
-PERFORMER_TINY = ["num_random_features=16", "linear_attention_chunk_size=16"]
+#: per family, small attention settings so the tests' short sequences still use the efficient paths (chunks, hashing,
+#: several proposals)
+FAMILY_TINY = {
+    "reformer": ["lsh_chunk_length=8", "local_chunk_length=8"],
+    "performer": ["num_random_features=16", "linear_attention_chunk_size=16"],
+    "lara": ["lara_num_samples=4", "lara_chunk_size=8"],
+}
 QUIET = ["--report_to", "jsonl"]
 
 
 def tiny_model(family: str, *extra: str) -> list[str]:
-    return ["--family", family, "--model", *TINY, *(PERFORMER_TINY if family == "performer" else []), *extra]
+    return ["--family", family, "--model", *TINY, *FAMILY_TINY.get(family, []), *extra]
 
 
 def load_module(folder: Path, name: str):
@@ -69,9 +75,9 @@ def results(folder: str | Path) -> dict:
 # -- data ---------------------------------------------------------------------------------------------------------
 def english_text() -> bytes:
     """Real English prose from CPython's pydoc topics (the quick-start corpus), for byte-level LMs."""
-    from attnzoo.training.text_data import default_corpus_path
+    from attnzoo.training.text_data import default_corpus_text
 
-    return default_corpus_path().read_bytes()
+    return default_corpus_text().encode("utf-8")
 
 
 def write_enwik8_zip(folder: Path, num_bytes: int = 60_000) -> Path:

@@ -1,5 +1,6 @@
-"""The seed 001 reproduction scripts in benchmarks/ (duplication task, attention speed, photo patches, train_lm
-variants): their data and bookkeeping, and a tiny end-to-end run of each."""
+"""The scripts in benchmarks/ that reproduce "Reformer: The Efficient Transformer" (arXiv 2001.04451) at CPU scale
+(duplication task, attention speed, photo patches, train_lm variants): their data and bookkeeping, and a tiny
+end-to-end run of each."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from attnzoo import ZooConfig, ZooSoftmaxConfig
+from attnzoo import ZooConfig, ZooSoftmaxConfig, ZooSoftmaxForCausalLM
 from attnzoo.modeling.embeddings import AxialPositionEmbedding
 from attnzoo.tokenization import byte_level_tokenizer
 from attnzoo.training.recipes import parse_model_overrides, parse_with_recipe
@@ -22,7 +22,9 @@ def test_error_names_field_and_fix():
     with pytest.raises(ValueError, match=r"num_attention_heads=3 .*divide hidden_size=256"):
         ZooSoftmaxConfig(num_attention_heads=3)
     with pytest.raises(ValueError, match=r"attn_layers.*unknown attention 'lsh-typo'"):
-        ZooSoftmaxConfig(attn_layers=["lsh-typo"])
+        ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["lsh-typo"]))
+    with pytest.raises(ValueError, match=r"attn_layers.*'lsh'.*ZooReformerConfig"):  # a kind of another family
+        ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["lsh"]))
     with pytest.raises(ValueError, match="axial_pos_shape"):
         ZooSoftmaxConfig(position_embedding_type="axial", max_position_embeddings=100, axial_pos_shape=[8, 8],
                          axial_pos_embds_dim=[128, 128])

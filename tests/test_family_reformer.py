@@ -4,18 +4,19 @@ import pytest
 import torch
 
 from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
+from attnzoo.modeling.attention.local import LocalAttention
+from attnzoo.modeling.attention.lsh import LSHAttention
+from tests.attention.helpers import HIDDEN, config, lm_config
 from tests.family_suite import FamilySuite
 
 
 class TestReformerFamily(FamilySuite):
     config_class = ZooReformerConfig
     prefix = "ZooReformer"
-    # Local chunks of 4 make every suite sequence span several chunks. LSH hashes with fresh random rotations on
-    # every call, so tests that compare two separate forwards (cached vs uncached generation, a padded batch vs each
-    # row alone) need sequences the full-attention fallback covers (<= 32 tokens; the suite's longest is 18); the
-    # 33-token training run still hashes. Hashing itself, with fixed rotations, is tested in
-    # test_attention_lsh_local.py (fast path vs reference, padding, cached decoding, reversible buckets).
-    config_overrides = dict(lsh_chunk_length=8, lsh_full_attention_threshold=32, local_chunk_length=4)
+    # Local chunks of 4 and LSH chunks of 8 make the suite's sequences span several chunks, so they really hash:
+    # evaluation draws its rotations from `eval_seed` (one set for the whole batch), so comparisons of separate
+    # forwards (cached vs uncached generation, a padded batch vs each row alone) hold with hashing too.
+    config_overrides = dict(lsh_chunk_length=8, local_chunk_length=4)
     attention_patterns = [("local", "lsh"), ("lsh",), ("local",)]
 
 
@@ -75,8 +76,7 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
     # _supports_default_dynamic_cache (generation/utils.py), which ZooPreTrainedModel already answers False: the
     # model builds its own ZooCache of LSH/local layers.
     from attnzoo import ZooCache
-    from attnzoo.modeling.attention.local import LocalCacheLayer
-    from attnzoo.modeling.attention.lsh import LSHCacheLayer
+    from attnzoo.modeling.cache import TokenBufferLayer
 
     assert not ZooReformerForCausalLM._supports_default_dynamic_cache()
     model = TestReformerFamily().build("ForCausalLM").eval()
@@ -84,7 +84,7 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
                          return_dict_in_generate=True)
     cache = out.past_key_values
     assert isinstance(cache, ZooCache) and cache.get_seq_length() == 8
-    assert [type(layer) for layer in cache.layers] == [LocalCacheLayer, LSHCacheLayer]
+    assert [type(layer) for layer in cache.layers] == [TokenBufferLayer, TokenBufferLayer]
 
 
 @pytest.mark.parametrize("head", ["ForCausalLM", "ForMaskedLM", "ForSequenceClassification",
@@ -114,3 +114,87 @@ def test_concatenated_streams_work_with_every_head_and_the_reversible_backward(h
     assert results[0][1].keys() == results[1][1].keys()
     for name in results[1][1]:
         torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)
+
+
+# -- causality and padding of whole models ---------------------------------------------------------------------------
+@pytest.mark.parametrize("pattern", [["lsh"], ["local"], ["local", "lsh"]])
+def test_causal_models_leak_nothing_from_the_future_with_real_hashing(pattern):
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(attn_layers=pattern, lsh_num_buckets=None)).double().eval()
+    ids = torch.randint(2, 37, (2, 23))
+    base = model(ids).logits
+    for t in (5, 12, 22):
+        changed = ids.clone()
+        changed[:, t] = (changed[:, t] + 5) % 35 + 2
+        logits = model(changed).logits
+        torch.testing.assert_close(logits[:, :t], base[:, :t], rtol=0, atol=1e-12)
+        assert not torch.allclose(logits[:, t:], base[:, t:])
+
+
+def test_chunk_window_lets_later_hashes_move_earlier_windows():
+    # Documents why "bucket" is the default: with chunk windows a later token can reorder the sorted sequence and
+    # change which earlier keys share an earlier query's chunk.
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(attn_layers=["lsh"], lsh_window="chunk", num_hidden_layers=1,
+                                             lsh_num_buckets=8)).double().eval()
+    ids = torch.randint(2, 37, (1, 32))
+    base = model(ids).logits
+    moved = False
+    for t in range(16, 32):
+        changed = ids.clone()
+        changed[:, t] = (changed[:, t] + 5) % 35 + 2
+        moved |= not torch.allclose(model(changed).logits[:, :16], base[:, :16], rtol=0, atol=1e-12)
+    assert moved
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["lsh", "local"])
+def test_padded_rows_equal_the_sequence_alone(kind, causal):
+    torch.manual_seed(1)
+    cls = LSHAttention if kind == "lsh" else LocalAttention
+    attn = cls(config(lsh_hash_seed=11, lsh_num_hashes=2), 0, causal).double().eval()
+    seq = torch.randn(1, 10, HIDDEN, dtype=torch.float64)
+    alone = attn(seq)
+    for side in ("left", "right"):
+        filler = torch.randn(1, 5, HIDDEN, dtype=torch.float64)
+        x = torch.cat([filler, seq] if side == "left" else [seq, filler], dim=1)
+        mask = torch.ones(1, 15, dtype=torch.bool)
+        mask[0, :5] = side != "left"
+        mask[0, 10:] = side != "right"
+        # Row 0 of any batch gets the same seeded rotations, so the padded row hashes like the sequence alone.
+        got = attn(x, attention_mask=mask)[mask]
+        torch.testing.assert_close(got, alone[0], rtol=1e-10, atol=1e-12, msg=side)
+
+
+def test_any_length_trains_and_generates():
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(lsh_hash_seed=None, lsh_num_buckets=None, reversible=True,
+                                             position_embedding_type="axial")).train()
+    for length in (5, 13, 30):
+        ids = torch.randint(2, 37, (2, length))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    out = model.eval().generate(torch.randint(2, 37, (2, 7)), max_new_tokens=9, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 16)
+
+
+# -- configuration -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [("lsh_chunk_length", 0), ("lsh_num_buckets", 5), ("lsh_num_buckets", [4, 3]),
+                                         ("lsh_num_hashes", 0), ("lsh_num_hashes_eval", 0), ("lsh_window", "ring"),
+                                         ("lsh_hash_seed", -1), ("lsh_full_attention_threshold", -2),
+                                         ("lsh_num_chunks_before", -1), ("local_chunk_length", 0),
+                                         ("local_num_chunks_after", -1), ("lsh_attention_probs_dropout_prob", 1.0),
+                                         ("attention_head_size", 0), ("reversible_merge", "sum")])
+def test_bad_reformer_values_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        config(**{field: value})
+
+
+def test_concatenated_streams_need_reversible_and_untied_embeddings():
+    with pytest.raises(ValueError, match="reversible_merge"):
+        config(reversible=False, reversible_merge="concat", tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        config(reversible_merge="concat")
+    assert config(reversible_merge="concat", tie_word_embeddings=False).stack_output_size == 2 * HIDDEN

@@ -44,10 +44,12 @@ def test_push_to_hub_then_from_pretrained(tmp_path):
         assert metric["type"] == "bits_per_dim" and metric["value"] == pytest.approx(measured, abs=1e-4)
         assert "attnzoo_performer" in metadata["tags"] and "max_train_steps: 4" in card
 
-        load = ("import attnzoo, json\n"
+        # A Hub user without attnzoo: the repository's own code (auto_map, trust_remote_code) is all it needs.
+        load = ("import sys, json\n"
+                "sys.modules['attnzoo'] = None  # as if attnzoo were not installed\n"
                 "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-                "model = AutoModelForCausalLM.from_pretrained('tester/attnzoo-tiny-lm')\n"
-                "tokenizer = AutoTokenizer.from_pretrained('tester/attnzoo-tiny-lm')\n"
+                "model = AutoModelForCausalLM.from_pretrained('tester/attnzoo-tiny-lm', trust_remote_code=True)\n"
+                "tokenizer = AutoTokenizer.from_pretrained('tester/attnzoo-tiny-lm', trust_remote_code=True)\n"
                 "ids = tokenizer('The ', return_tensors='pt').input_ids\n"
                 "print(json.dumps({'type': model.config.model_type, 'vocab': len(tokenizer),\n"
                 "                  'shape': list(model.generate(ids, max_new_tokens=3).shape)}))\n")
@@ -55,7 +57,8 @@ def test_push_to_hub_then_from_pretrained(tmp_path):
                                 timeout=300)
         assert loaded.returncode == 0, loaded.stderr[-3000:]
         info = json.loads(loaded.stdout.strip().splitlines()[-1])
-        assert info == {"type": "attnzoo_performer", "vocab": 256, "shape": [1, 7]}
+        assert info == {"type": "attnzoo_performer", "vocab": 261, "shape": [1, 7]}
+        assert {"configuration_attnzoo.py", "modeling_attnzoo.py"} <= set(files)
         assert any(path.endswith("/resolve/" + hub.repos["tester/attnzoo-tiny-lm"].head + "/model.safetensors")
                    for _, path, status in hub.requests if status == 200)
 

@@ -1,28 +1,32 @@
-"""scripts/train_lm.py end to end: enwik8-64K-shaped data, imagenet64-style pixel LM, text-dataset fine-tuning,
-exact resume (in process, and after SIGKILL), 1 vs 2 processes, for the softmax and Performer families."""
+"""scripts/train_lm.py end to end: a plain text file, enwik8-64K-shaped data, imagenet64-style pixel LM, text-dataset
+fine-tuning, exact resume (in process, and after SIGKILL) for every family, 1 vs 2 processes, the quick start."""
 
 import json
 import math
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from attnzoo.tokenization import BYTE_LEVEL_VOCAB_SIZE
 from attnzoo.training.image_data import PIXEL_START_TOKEN, PixelSequences, to_hwc_uint8
 from attnzoo.training.metrics import summed_token_nats
 from attnzoo.training.tracking import read_metrics
 from tests.scripts_helpers import (
     FAMILIES,
     QUIET,
+    ROOT,
     TINY,
     accelerate_command,
     assert_identical_weights,
     english_text,
     launch,
+    load_script,
     max_weight_difference,
     results,
     run_script,
@@ -174,12 +178,13 @@ def _resume_args(corpus, family, out, *extra):
             *tiny_model(family, "hidden_dropout_prob=0.1", *extra), *SHORT]
 
 
-@pytest.mark.parametrize("family,extra", [("softmax", ()), ("performer", ()),
+@pytest.mark.parametrize("family,extra", [*((family, ()) for family in FAMILIES),
                                           ("performer", ("feature_redraw=interval", "feature_redraw_interval=3"))])
 def test_resume_from_a_checkpoint_gives_identical_weights(tmp_path, family, extra):
-    """Dropout, Performer's per-step feature draws (or its redraw counter buffer), gradient accumulation with a
-    partial last group, and an epoch boundary (33 sequences / batch 4 / 3 = 3 steps per epoch) between checkpoint
-    and end: the resumed run must end bit-identical to the uninterrupted one."""
+    """Dropout, every family's random draws (Reformer's hash rotations, Performer's per-step features or its redraw
+    counter buffer, RA's and LARA's samples), gradient accumulation with a partial last group, and an epoch boundary
+    (33 sequences / batch 4 / 3 = 3 steps per epoch) between checkpoint and end: the resumed run must end
+    bit-identical to the uninterrupted one."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(english_text()[:1350])
     run_script("train_lm", _resume_args(corpus, family, tmp_path / "full", *extra))
@@ -216,11 +221,12 @@ def test_bad_arguments_say_what_to_change(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_from_its_last_checkpoint_to_identical_weights(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_killed_run_resumes_from_its_last_checkpoint_to_identical_weights(tmp_path, family):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(english_text()[:40_000])
-    args = ["--train_file", corpus, "--block_size", "64", "--max_train_steps", "60", "--checkpointing_steps", "5",
-            "--per_device_train_batch_size", "8", *tiny_model("performer", "hidden_dropout_prob=0.1"),
+    args = ["--train_file", corpus, "--block_size", "64", "--max_train_steps", "30", "--checkpointing_steps", "5",
+            "--per_device_train_batch_size", "8", *tiny_model(family, "hidden_dropout_prob=0.1"),
             "--max_eval_batches", "2", "--num_warmup_steps", "2", "--sample_tokens", "0", *QUIET]
     # The reference runs in the same kind of process (thread count, hence float summation order) as the killed one.
     launch("train_lm", [*args, "--output_dir", tmp_path / "full"])
@@ -263,10 +269,65 @@ def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path):
     from attnzoo.training.loop import new_model_config
 
     set_seed(0)
-    config = new_model_config("softmax", dict(vocab_size=256, max_position_embeddings=32, is_decoder=True),
+    config = new_model_config("softmax", dict(vocab_size=BYTE_LEVEL_VOCAB_SIZE, max_position_embeddings=32,
+                                              is_decoder=True),
                               [*TINY, "hidden_dropout_prob=0.0", "reversible=true"])
     initial = AutoModelForCausalLM.from_config(config).state_dict()
     assert max_weight_difference({k: initial[k] for k in one_weights}, one_weights) > 1e-3
     assert results(tmp_path / "two")["num_processes"] == 2
     assert math.isclose(results(tmp_path / "one")["eval_bits_per_dim"],
                         results(tmp_path / "two")["eval_bits_per_dim"], rel_tol=1e-5)
+
+
+# -- a plain text file, in process and through accelerate launch --------------------------------------------------
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 400)
+    return path
+
+
+TEXT_TINY = ["--model", "hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=64",
+        "--block_size", "32", "--per_device_train_batch_size", "4", "--num_warmup_steps", "2",
+        "--sample_tokens", "0"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--model", "reversible=true", "hidden_size=32", "num_hidden_layers=2",
+                                         "num_attention_heads=2", "intermediate_size=64"]])
+def test_trains_reports_bits_per_dim_and_saves_a_loadable_model(text_file, tmp_path, extra):
+    out = tmp_path / "run"
+    bpd = load_script("train_lm").main(["--train_file", str(text_file), "--output_dir", str(out),
+                                        "--max_train_steps", "30", "--learning_rate", "3e-3", *TEXT_TINY, *extra])
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["eval_bits_per_dim"] == bpd and results["train_steps"] == 30
+    assert bpd < 6.0, "30 steps on a repetitive text must beat an untrained byte model (~8 bits/dim)"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("The quick", return_tensors="pt").input_ids
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, ids.shape[1] + 5)
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [25, 30]
+    assert records[-1]["eval_bits_per_dim"] == bpd and "train_bits_per_dim" in records[0]
+
+
+def test_bad_arguments_raise_value_error(text_file, tmp_path):
+    script = load_script("train_lm")
+    with pytest.raises(ValueError, match="does not exist"):
+        script.main(["--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "o"), *TEXT_TINY])
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        script.main(["--train_file", str(text_file), "--output_dir", str(tmp_path / "o"), *TEXT_TINY,
+                     "--model", "hidden_size=30", "num_attention_heads=4"])
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_the_quickstart_recipe_briefly(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "scripts" / "train_lm.py"),
+           "--recipe", str(ROOT / "recipes" / "quickstart_lm.yaml"), "--max_train_steps", "5",
+           "--max_eval_batches", "2", "--output_dir", str(tmp_path / "qs"), "--sample_tokens", "10"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "held-out bits/dim" in done.stdout
+    assert torch.isfinite(torch.tensor(json.loads((tmp_path / "qs" / "all_results.json").read_text())
+                                       ["eval_bits_per_dim"]))

@@ -2,8 +2,9 @@
 
 `ZooConfig` holds what the shared backbone needs (sizes, the per-layer attention pattern, residual kind, chunking,
 position embeddings, image options). A family config subclasses it, sets its own `model_type`, changes defaults and
-adds the fields its attention reads. Every value is checked in `__post_init__`, and a bad one raises `ValueError`
-naming the field and what to change.
+adds the fields its attention reads, and checks them by extending `validate_architecture`, which `__post_init__`
+calls: a bad value raises `ValueError` naming the field and what to change. Attention names in `attn_layers` are
+checked where the blocks are built, against the registry of attention modules.
 """
 
 from __future__ import annotations
@@ -12,32 +13,13 @@ import math
 
 from transformers import PreTrainedConfig
 
+from attnzoo.remote_code import auto_map, write_remote_code
+from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
+
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
 POOLING_TYPES = ("mean", "cls", "last")
 REVERSIBLE_MERGES = ("mean", "concat")
 HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "tanh")
-
-
-def _fail(field: str, value, fix: str):
-    raise ValueError(f"{field}={value!r} is invalid: {fix}")
-
-
-def check_int(config, field: str, minimum: int, fix: str, optional: bool = False) -> None:
-    """Fail with `fix` unless `config.<field>` is an integer (a bool is not) >= `minimum`, or None if `optional`."""
-    value = getattr(config, field)
-    if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(field, value, fix)
-
-
-def check_probability(config, field: str, optional: bool = False) -> None:
-    """Fail unless `config.<field>` is a probability in [0, 1) (a dropout rate), or None if `optional`."""
-    value = getattr(config, field)
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        _fail(field, value, "set a probability in [0, 1) or None." if optional else "set a probability in [0, 1).")
 
 
 def _near_square_factors(n: int) -> tuple[int, int]:
@@ -64,8 +46,10 @@ class ZooConfig(PreTrainedConfig):
             `num_hidden_layers` (e.g. `["local", "lsh"]`).
         is_decoder: causal self-attention (a decoder-only LM). Encoder-decoder models set `is_encoder_decoder`.
         num_decoder_layers / decoder_attn_layers: the decoder of an encoder-decoder model (default: same depth,
-            exact softmax self-attention; seed 002 §5.4 uses efficient attention only in the encoder).
-        reversible: reversible residual stack (seed 001 §3): activations are recomputed in the backward pass.
+            exact softmax self-attention; the RA/LARA paper, arXiv 2204.04667 §5.4, uses efficient attention only in
+            the encoder).
+        reversible: reversible residual stack (Reformer, arXiv 2001.04451, §3): activations are recomputed in the
+            backward pass.
         reversible_merge: how the reversible stack's two streams become the output: "mean" (width hidden_size) or
             "concat" (width 2 * hidden_size, the final LayerNorm and the heads read both streams side by side, as in
             trax's and transformers' Reformer; needs `tie_word_embeddings=False`). See `stack_output_size`.
@@ -78,6 +62,10 @@ class ZooConfig(PreTrainedConfig):
         image_size / patch_size / num_channels: image models (DeiT-style patch embedding).
         pooling: how a classification head summarises a sequence: "mean" (over non-padded tokens), "cls" (a
             learned class token for images, the first token for text) or "last" (the last non-padded token).
+        eval_seed: seed of the random draws attentions make in evaluation mode (LSH's hash rotations, RA's sampled
+            indices), so `model.eval()` gives the same outputs on every call, whatever the batch, and cached decoding
+            equals the full forward. Training stays random. `None` draws from the global RNG in evaluation too
+            (stochastic evaluation, e.g. to average several draws).
     """
 
     model_type = "attnzoo"
@@ -114,6 +102,7 @@ class ZooConfig(PreTrainedConfig):
     patch_size: int = 16
     num_channels: int = 3
     pooling: str = "mean"
+    eval_seed: int | None = 0
 
     tie_word_embeddings: bool = True
     use_cache: bool = True
@@ -138,68 +127,61 @@ class ZooConfig(PreTrainedConfig):
         if self.axial_pos_embds_dim is not None:
             self.axial_pos_embds_dim = list(self.axial_pos_embds_dim)
         super().__post_init__(**kwargs)
-        self.check_values()
+        self.validate_architecture()
 
     # -- validation -------------------------------------------------------------------------------------------
-    def check_values(self) -> None:
-        """Raise `ValueError` naming the first invalid field and what to change. Families extend this."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "max_position_embeddings", "num_decoder_layers", "image_size", "patch_size", "num_channels"):
-            check_int(self, name, 1, "set a positive integer.")
+    def validate_architecture(self) -> None:
+        """Raise `ValueError` naming the first invalid field and what to change. Families extend this with the
+        fields they add."""
+        super().validate_architecture()
+        check_positive_ints(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "intermediate_size", "max_position_embeddings", "num_decoder_layers",
+                                   "image_size", "patch_size", "num_channels"))
         if self.hidden_size % self.num_attention_heads:
-            _fail("num_attention_heads", self.num_attention_heads,
-                  f"it must divide hidden_size={self.hidden_size}; pick a divisor or change hidden_size.")
+            fail("num_attention_heads", self.num_attention_heads,
+                 f"it must divide hidden_size={self.hidden_size}; pick a divisor or change hidden_size.")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
             check_probability(self, name)
         check_probability(self, "classifier_dropout", optional=True)
-        if self.hidden_act not in HIDDEN_ACTIVATIONS:
-            _fail("hidden_act", self.hidden_act, f"use one of {HIDDEN_ACTIVATIONS}.")
+        check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
         for name in ("chunk_size_feed_forward", "loss_chunk_size"):
             check_int(self, name, 0, "set 0 (no chunking) or a positive chunk length.")
-        self._check_attention_names("attn_layers", self.attn_layers)
-        if self.is_encoder_decoder:
-            self._check_attention_names("decoder_attn_layers", self.decoder_attn_layers)
-        if self.reversible_merge not in REVERSIBLE_MERGES:
-            _fail("reversible_merge", self.reversible_merge, f"use one of {REVERSIBLE_MERGES}.")
+        for name in ("attn_layers", "decoder_attn_layers"):
+            if not getattr(self, name):
+                fail(name, getattr(self, name), "list at least one attention kind, e.g. ['full'].")
+        check_choice(self, "reversible_merge", REVERSIBLE_MERGES)
         if self.reversible_merge == "concat" and not self.reversible:
-            _fail("reversible_merge", self.reversible_merge, "two streams exist only with reversible=True; set "
-                                                             "reversible=True or reversible_merge='mean'.")
+            fail("reversible_merge", self.reversible_merge, "two streams exist only with reversible=True; set "
+                                                            "reversible=True or reversible_merge='mean'.")
         if self.reversible_merge == "concat" and self.tie_word_embeddings:
-            _fail("reversible_merge", self.reversible_merge, "the heads then read 2 * hidden_size features and "
-                                                             "cannot share the input embedding; set "
-                                                             "tie_word_embeddings=False.")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            _fail("position_embedding_type", self.position_embedding_type, f"use one of {POSITION_EMBEDDING_TYPES}.")
+            fail("reversible_merge", self.reversible_merge, "the heads then read 2 * hidden_size features and cannot "
+                                                            "share the input embedding; set tie_word_embeddings=False.")
+        check_choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         if self.position_embedding_type == "axial":
             self._check_axial()
-        if self.pooling not in POOLING_TYPES:
-            _fail("pooling", self.pooling, f"use one of {POOLING_TYPES}.")
+        check_choice(self, "pooling", POOLING_TYPES)
+        check_int(self, "eval_seed", 0, "set a non-negative integer, or None for random draws at evaluation too.",
+                  optional=True)
         if self.image_size % self.patch_size:
-            _fail("patch_size", self.patch_size, f"it must divide image_size={self.image_size}.")
-
-    def _check_attention_names(self, field: str, names: list[str]) -> None:
-        from attnzoo.modeling.attention import ATTENTION_REGISTRY  # late import: the registry imports torch modules
-
-        if not names:
-            _fail(field, names, "list at least one attention kind, e.g. ['full'].")
-        for name in names:
-            if name not in ATTENTION_REGISTRY:
-                _fail(field, names, f"unknown attention {name!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.")
-            missing = [f for f in ATTENTION_REGISTRY[name].required_config_fields if not hasattr(self, f)]
-            if missing:
-                _fail(field, names, f"attention {name!r} needs config fields {missing}; use the config class of "
-                                    f"its family (e.g. attnzoo.{ATTENTION_REGISTRY[name].family_config}).")
-            ATTENTION_REGISTRY[name].check_config(self)
+            fail("patch_size", self.patch_size, f"it must divide image_size={self.image_size}.")
 
     def _check_axial(self) -> None:
         shape, dims = self.axial_pos_shape, self.axial_pos_embds_dim
         if len(shape) != len(dims):
-            _fail("axial_pos_embds_dim", dims, f"give one dimension per axis of axial_pos_shape={shape}.")
+            fail("axial_pos_embds_dim", dims, f"give one dimension per axis of axial_pos_shape={shape}.")
         if sum(dims) != self.hidden_size:
-            _fail("axial_pos_embds_dim", dims, f"the dimensions must sum to hidden_size={self.hidden_size}.")
+            fail("axial_pos_embds_dim", dims, f"the dimensions must sum to hidden_size={self.hidden_size}.")
         if math.prod(shape) < self.max_position_embeddings:
-            _fail("axial_pos_shape", shape, f"its product {math.prod(shape)} must be >= max_position_embeddings="
+            fail("axial_pos_shape", shape, f"its product {math.prod(shape)} must be >= max_position_embeddings="
                                             f"{self.max_position_embeddings}.")
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """transformers' save, plus the code this config needs and its `auto_map` entry, so the folder (or Hub
+        repository) loads with `AutoConfig.from_pretrained(..., trust_remote_code=True)` without attnzoo."""
+        write_remote_code(save_directory, type(self))
+        self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map(type(self), [])}
+        return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
 
     # -- derived values ---------------------------------------------------------------------------------------
     @property

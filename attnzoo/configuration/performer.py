@@ -1,10 +1,18 @@
-"""The Performer family: FAVOR+ random-feature attention (and the elu+1 linear kernel) in the shared backbone."""
+"""The Performer family: FAVOR+ random-feature attention ("Rethinking Attention with Performers", Choromanski et
+al., ICLR 2021, arXiv 2009.14794) and the elu+1 linear kernel ("Transformers are RNNs", Katharopoulos et al., ICML
+2020, arXiv 2006.16236) in the shared backbone."""
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.validation import check_choice, check_positive_ints, fail
+
+FEATURE_MAPS = ("positive", "hyperbolic")
+FEATURE_NORMS = ("chi", "sqrt_d")
+REDRAW_POLICIES = ("every_step", "interval", "fixed")
 
 
 class ZooPerformerConfig(ZooConfig):
-    """Performer (Choromanski et al., 2021) on the shared backbone.
+    """Performer on the shared backbone (feature maps, stabilisation and the exact causal forms:
+    docs/random_feature_attention.md).
 
     Args beyond `ZooConfig`:
         attn_layers / decoder_attn_layers: "favor" (FAVOR+) or "elu" (elu+1), or "full" for exact layers.
@@ -13,7 +21,7 @@ class ZooPerformerConfig(ZooConfig):
         orthogonal_features: block-orthogonal projections (with the QR sign fix) instead of i.i.d. Gaussian.
         feature_norm: row lengths of orthogonal projections: "chi" (unbiased) or "sqrt_d".
         feature_redraw: "every_step", "interval" (every `feature_redraw_interval` training forwards) or "fixed".
-        elu_alpha: α of the elu+1 map (1 in the paper; seed 003 writes 0.1).
+        elu_alpha: α of the elu+1 map, elu(x) + 1 with elu's α (1 is the usual map; any α in (0, 1] keeps it positive).
         linear_attention_chunk_size: chunk length of the causal form (memory O(N·chunk)).
     """
 
@@ -30,8 +38,11 @@ class ZooPerformerConfig(ZooConfig):
     elu_alpha: float = 1.0
     linear_attention_chunk_size: int = 64
 
-    def check_values(self) -> None:
-        super().check_values()
-        if self.linear_attention_chunk_size < 1:
-            raise ValueError(f"linear_attention_chunk_size={self.linear_attention_chunk_size} is invalid: set a "
-                             "positive chunk length (64 is a good default).")
+    def validate_architecture(self) -> None:
+        super().validate_architecture()
+        check_choice(self, "feature_map", FEATURE_MAPS)
+        check_choice(self, "feature_norm", FEATURE_NORMS)
+        check_choice(self, "feature_redraw", REDRAW_POLICIES)
+        check_positive_ints(self, ("num_random_features", "feature_redraw_interval", "linear_attention_chunk_size"))
+        if not 0.0 < self.elu_alpha <= 1.0:
+            fail("elu_alpha", self.elu_alpha, "elu(x) + 1 stays positive only for 0 < alpha <= 1.")

@@ -1,16 +1,20 @@
-"""The RA family: randomized attention (seed 002 §3) in the shared backbone."""
+"""The RA family: randomized attention ("Linear Complexity Randomized Self-attention Mechanism", Zheng, Wang and
+Kong, ICML 2022, arXiv 2204.04667, §3) in the shared backbone."""
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.validation import check_choice, check_noise_std, check_positive_ints
+
+RA_VARIANTS = ("unbiased", "biased")
 
 
 class ZooRAConfig(ZooConfig):
-    """Randomized Attention (Zheng et al., 2022) on the shared backbone.
+    """Randomized Attention (RA) on the shared backbone (the estimator: docs/random_feature_attention.md).
 
     Args beyond `ZooConfig`:
         attn_layers: "ra" layers (or "full"). decoder_attn_layers: the decoder of an encoder-decoder model, exact
-            softmax by default (seed 002 §5.4 replaces only the encoder's self-attention).
-        ra_variant: "unbiased" (exact mixture sampling; the index is still sampled at evaluation) or "biased"
-            (Eq. 31; deterministic at evaluation).
+            softmax by default (the paper replaces only the encoder's self-attention, §5.4).
+        ra_variant: "unbiased" (exact mixture sampling; at evaluation the index is still sampled, from draws seeded
+            by `eval_seed`) or "biased" (Eq. 31; deterministic at evaluation).
         ra_num_samples: draws of ω averaged per query (1 in the paper).
         sample_noise_std: σ of the sampling noise: "paper" (1.0, exactly unbiased), "official" (d**-0.25, what the
             official code does) or a number.
@@ -23,3 +27,9 @@ class ZooRAConfig(ZooConfig):
     ra_variant: str = "unbiased"
     ra_num_samples: int = 1
     sample_noise_std: str | float = "paper"
+
+    def validate_architecture(self) -> None:
+        super().validate_architecture()
+        check_choice(self, "ra_variant", RA_VARIANTS)
+        check_positive_ints(self, ("ra_num_samples",))
+        check_noise_std(self)

@@ -1,41 +1,50 @@
-"""The Reformer family (seed 001): LSH and local attention in a reversible stack with axial positions and chunked
-feed-forward layers."""
+"""The Reformer family ("Reformer: The Efficient Transformer", Kitaev, Kaiser and Levskaya, ICLR 2020, arXiv
+2001.04451): LSH and local attention in a reversible stack with axial positions and chunked feed-forward layers."""
 
 from __future__ import annotations
 
-from attnzoo.configuration.base import ZooConfig, check_int
+from attnzoo.configuration.base import ZooConfig
+from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
+
+LSH_WINDOWS = ("chunk", "bucket")
 
 
 class ZooReformerConfig(ZooConfig):
     r"""
-    Reformer configuration. The defaults are the paper's enwik8 set-up (seed 001 §5; trax `reformer_enwik8.gin`:
+    Reformer configuration. The defaults are the paper's enwik8 set-up (§5; trax's `reformer_enwik8.gin`:
     alternating local and LSH layers, 2 hash rounds, ReLU feed-forward, axial positions, no attention biases)
-    scaled down to hidden size 256 and chunks of 64.
+    scaled down to hidden size 256 and chunks of 64. How LSH attention computes what these settings describe, with
+    its derivations, is in docs/lsh_attention.md.
 
     Args (beyond `ZooConfig`):
         attention_head_size: width of one attention head; `None` means `hidden_size // num_attention_heads`. A
             different value (heads x size != hidden_size) is allowed, as in transformers' `ReformerConfig`.
-        lsh_chunk_length: length of the chunks the hash-sorted sequence is cut into.
-        lsh_num_chunks_before / lsh_num_chunks_after: neighbouring chunks each chunk also attends to (the chunks
-            after are used by bidirectional layers only).
+        lsh_chunk_length: length of the chunks the hash-sorted sequence is cut into (§2, "chunked attention").
+        lsh_num_chunks_before / lsh_num_chunks_after: how far a query's window reaches back / ahead in the sorted
+            order, in chunks. The paper, trax and transformers look one chunk back and none ahead (the default); a
+            chunk ahead widens bidirectional layers' windows (causal layers never look ahead).
         lsh_num_buckets: hash buckets per round: an even int, a list of even factors (factorised hashing, their
-            product is the bucket count), or `None` for 2 * length / lsh_chunk_length (seed 001 §2), factorised into
-            two factors above 128 buckets so the rotation matrix stays small.
+            product is the bucket count), or `None` for 2 * max_position_embeddings / lsh_chunk_length (the paper's
+            2 * length / chunk at the training length, which the training scripts make max_position_embeddings),
+            factorised into two factors above 128 buckets so the rotation matrix stays small. The count is fixed
+            per model, so a position hashes the same whatever the sequence's length; set it explicitly when you
+            train on sequences much shorter than max_position_embeddings.
         lsh_num_hashes / lsh_num_hashes_eval: hash rounds in training / evaluation (`None`: same as training).
-        lsh_hash_seed: seed of the hash rotations; `None` draws them from the global RNG (new ones every forward).
+        lsh_hash_seed: seed of the hash rotations in training and evaluation; `None` draws new ones from the global
+            RNG every training forward and uses `eval_seed` in evaluation.
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
             hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
             attend fully (to at most this many keys), so a position's attention does not depend on the length.
-        lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (eq.
-            16), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
+        lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (§2,
+            Eq. 3), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
             `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with
             the query instead of the chunk grid. A causal query's keys then depend on earlier tokens only, and
             cached decoding computes exactly the same attention. "chunk": every key of its sorted chunk and of the
             neighbouring chunks, across buckets (trax's and transformers' choice); there a causal query's window
             also depends on how many later tokens hash to lower buckets (no later value is attended, but outputs
             are not strictly causal), and decoding sees only the same-bucket part of it.
-        lsh_duplicate_correction: subtract log(number of rounds a key is attended in) so multi-round attention is
-            a softmax over the union of the rounds' keys (Appendix A, eq. 13-16).
+        lsh_duplicate_correction: make multi-round attention one softmax over the union of the rounds' keys, a key
+            attended in several rounds counted once (Appendix A).
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
             probabilities (`None`: `attention_probs_dropout_prob`).
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
@@ -60,7 +69,7 @@ class ZooReformerConfig(ZooConfig):
 
     lsh_chunk_length: int = 64
     lsh_num_chunks_before: int = 1
-    lsh_num_chunks_after: int = 1
+    lsh_num_chunks_after: int = 0
     lsh_num_buckets: int | list[int] | None = None
     lsh_num_hashes: int = 2
     lsh_num_hashes_eval: int | None = None
@@ -80,15 +89,30 @@ class ZooReformerConfig(ZooConfig):
             self.lsh_num_buckets = list(self.lsh_num_buckets)
         super().__post_init__(**kwargs)
 
-    def check_values(self) -> None:
-        super().check_values()
+    def validate_architecture(self) -> None:
         # Every Reformer field is checked, also those of an attention kind the current layers do not use, so a
         # saved config is valid whatever attn_layers it is later given.
-        from attnzoo.modeling.attention import ATTENTION_REGISTRY
-
-        for kind in ("lsh", "local"):
-            ATTENTION_REGISTRY[kind].check_config(self)
+        super().validate_architecture()
         check_int(self, "attention_head_size", 1, "set a positive integer or None.", optional=True)
+        check_positive_ints(self, ("lsh_chunk_length", "lsh_num_hashes", "local_chunk_length"))
+        for name in ("lsh_num_chunks_before", "lsh_num_chunks_after", "local_num_chunks_before",
+                     "local_num_chunks_after"):
+            check_int(self, name, 0, "set a non-negative integer (0 = no neighbouring chunks).")
+        check_int(self, "lsh_num_hashes_eval", 1, "set a positive integer, or None to use lsh_num_hashes.",
+                  optional=True)
+        buckets = self.lsh_num_buckets
+        factors = [buckets] if isinstance(buckets, int) and not isinstance(buckets, bool) else buckets
+        if buckets is not None and (not isinstance(factors, list | tuple) or not factors or any(
+                not isinstance(f, int) or isinstance(f, bool) or f < 2 or f % 2 for f in factors)):
+            fail("lsh_num_buckets", buckets, "set an even integer >= 2, a list of such factors, or None for "
+                                             "2 * max_position_embeddings / lsh_chunk_length.")
+        check_int(self, "lsh_hash_seed", 0, "set a non-negative integer, or None to draw from the global RNG.",
+                  optional=True)
+        check_int(self, "lsh_full_attention_threshold", 0, "set a non-negative integer (0 = always hash), or None "
+                                                           "for lsh_chunk_length.", optional=True)
+        check_choice(self, "lsh_window", LSH_WINDOWS)
+        check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
+        check_probability(self, "local_attention_probs_dropout_prob", optional=True)
 
     @property
     def reformer_head_size(self) -> int:

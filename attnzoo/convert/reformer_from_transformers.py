@@ -20,7 +20,7 @@ The logits are then equal for every causal model whose LSH layers see at most `l
 (the full-attention path) and for local layers at any length. With hashing they cannot be equal, by construction:
 transformers draws one rotation per head for the whole batch from the global RNG and lets the first chunk of each
 round look back at the last chunk of the previous round (wrapping around); we draw per (example, head) and do not
-wrap (seed 001, eq. 11).
+wrap (Reformer, arXiv 2001.04451, §2).
 
 Dropout sits in slightly different places (transformers also drops inside the feed-forward, on the word embeddings
 before the positions are added and after the final LayerNorm), which matters only when fine-tuning with dropout.

@@ -172,7 +172,9 @@ def target_config(model, family: str, overrides: dict | None = None):
                  hidden_act=_activation(block.mlp.act), layer_norm_eps=model.norm.eps, attention_bias=True,
                  position_embedding_type="learned", reversible=False, is_decoder=False, pooling="cls",
                  image_size=_pair(model.patch_embed.img_size)[0], patch_size=_pair(model.patch_embed.patch_size)[0],
-                 num_channels=model.patch_embed.proj.in_channels, num_labels=model.num_classes)
+                 num_channels=model.patch_embed.proj.in_channels, num_labels=model.num_classes,
+                 # the blocks' sequence length; LSH attention sizes its default bucket count from it
+                 max_position_embeddings=model.patch_embed.num_patches + model.num_prefix_tokens)
     if family == "reformer":
         fixed["attention_head_size"] = None
     labels = label_names(model)

@@ -2,7 +2,8 @@
 
 A block has an attention branch F (self-attention, then cross-attention for encoder-decoder decoders) and a
 feed-forward branch G. The standard stack computes x + F(x), then + G(.); the reversible stack keeps two streams,
-y1 = x1 + F(x2), y2 = x2 + G(y1) (seed 001 §3), starts both at the embeddings and ends with their mean, so the
+y1 = x1 + F(x2), y2 = x2 + G(y1) ("Reformer: The Efficient Transformer", arXiv 2001.04451, §3, after "The Reversible
+Residual Network", arXiv 1707.04585), starts both at the embeddings and ends with their mean, so the
 heads see `hidden_size` features either way, or, with `reversible_merge="concat"`, with both streams side by side
 (2 * hidden_size features, as trax's and transformers' Reformer do).
 """
@@ -14,7 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from attnzoo.modeling.attention import ATTENTION_REGISTRY, SoftmaxCrossAttention
+from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, build_attention
 from attnzoo.modeling.embeddings import PositionEmbedding
 from attnzoo.modeling.reversible import ReversibleStackFunction
 
@@ -42,11 +43,11 @@ class ZooBlock(GradientCheckpointingLayer):
     """One pre-LayerNorm Transformer layer; its attention kind comes from the registry."""
 
     def __init__(self, config, layer_idx: int, attention_kind: str, causal: bool, cross_attention: bool,
-                 drop_path_rate: float):
+                 drop_path_rate: float, kinds_field: str = "attn_layers"):
         super().__init__()
         eps = config.layer_norm_eps
         self.attn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.attn = ATTENTION_REGISTRY[attention_kind](config, layer_idx, causal)
+        self.attn = build_attention(attention_kind, config, layer_idx, causal, kinds_field)
         self.cross_norm = nn.LayerNorm(config.hidden_size, eps=eps) if cross_attention else None
         self.cross_attn = SoftmaxCrossAttention(config, layer_idx) if cross_attention else None
         self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
@@ -59,11 +60,12 @@ class ZooBlock(GradientCheckpointingLayer):
         return drop_path(self.dropout(x), self.drop_path_rate, self.training)
 
     def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, past_key_values=None,
-                         encoder_attention_mask=None, grid_size=None, replay=None):
-        """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention."""
+                         encoder_attention_mask=None, recompute=None):
+        """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention.
+        `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py)."""
         self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
         out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, past_key_values=self_cache,
-                                       replay=replay, grid_size=grid_size))
+                                       recompute=recompute))
         if self.cross_attn is not None:
             cross_cache = past_key_values if hasattr(past_key_values, "cross_attention_cache") else None
             cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
@@ -72,7 +74,7 @@ class ZooBlock(GradientCheckpointingLayer):
         return out
 
     def feed_forward_branch(self, x):
-        """G(x): the feed-forward, over sequence chunks of `chunk_size_feed_forward` when set (seed 001 §3)."""
+        """G(x): the feed-forward, over sequence chunks of `chunk_size_feed_forward` when set (Reformer §3)."""
         if not self.chunked_feed_forward(x):
             return self._residual(self._feed_forward(x))
         # Sequential chunks bound the [chunk, intermediate_size] activation (a memory-for-time trade by design).
@@ -93,8 +95,8 @@ class ZooBlock(GradientCheckpointingLayer):
 
     def feed_forward_recompute_backward(self, x, grad_out, params):
         """The reversible backward's step for a chunked G: recompute G(x) and backpropagate `grad_out` through it one
-        chunk at a time, so only one chunk's [chunk, intermediate_size] activations ever exist (seed 001 §3:
-        chunking saves memory in the backward pass too). Call under the RNG state of the forward's G.
+        chunk at a time, so only one chunk's [chunk, intermediate_size] activations ever exist (chunking saves
+        memory in the backward pass too, Reformer §3). Call under the RNG state of the forward's G.
         Returns (G(x) detached, dL/dx, gradients of `params`)."""
         scale = self._residual_scale(x)  # the forward drew nothing before this, so the draws match
         out, grad_x = torch.empty_like(x), torch.empty_like(x)
@@ -148,18 +150,24 @@ class ZooTransformer(nn.Module):
         self.positions = PositionEmbedding(config) if with_positions else None
         self.embed_dropout = nn.Dropout(config.hidden_dropout_prob)
         kinds = config.layer_attention_kinds(decoder=decoder_side)
-        rates = torch.linspace(0, config.drop_path_rate, len(kinds)).tolist() if len(kinds) > 1 else [0.0]
+        kinds_field = "decoder_attn_layers" if decoder_side else "attn_layers"
+        # Plain floats (no tensor), so the model can be built on the meta device (deferred initialisation).
+        rates = [config.drop_path_rate * i / (len(kinds) - 1) for i in range(len(kinds))] if len(kinds) > 1 else [0.0]
         self.blocks = nn.ModuleList(
-            ZooBlock(config, i, kind, causal, cross_attention, rates[i]) for i, kind in enumerate(kinds)
+            ZooBlock(config, i, kind, causal, cross_attention, rates[i], kinds_field) for i, kind in enumerate(kinds)
         )
         self.final_norm = nn.LayerNorm(config.stack_output_size, eps=config.layer_norm_eps)
 
     def new_cache_layers(self):
         return [block.attn.new_cache_layer() for block in self.blocks]
 
+    def set_image_layout(self, grid_size: tuple[int, int], class_token: bool) -> None:
+        """Tell every attention that the tokens are an image's patch grid (after a class token when `class_token`)."""
+        for block in self.blocks:
+            block.attn.set_image_layout(grid_size, class_token)
+
     def forward(self, inputs_embeds, attention_mask=None, position_ids=None, past_key_values=None,
-                encoder_hidden_states=None, encoder_attention_mask=None, grid_size=None,
-                output_hidden_states=False):
+                encoder_hidden_states=None, encoder_attention_mask=None, output_hidden_states=False):
         batch, length = inputs_embeds.shape[:2]
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if attention_mask is not None and attention_mask.shape[-1] != past_length + length:
@@ -176,11 +184,12 @@ class ZooTransformer(nn.Module):
             if pos is not None:
                 hidden = hidden + pos.to(hidden.dtype)
         hidden = self.embed_dropout(hidden)
-        for block in self.blocks:
-            block.attn.prepare()
+        for block in self.blocks:  # once per forward pass, never on a recomputation
+            if isinstance(block.attn, DrawsPerForward):
+                block.attn.start_forward()
 
         block_kwargs = dict(attention_mask=attention_mask, past_key_values=past_key_values,
-                            encoder_attention_mask=encoder_attention_mask, grid_size=grid_size)
+                            encoder_attention_mask=encoder_attention_mask)
         all_hidden = [hidden] if output_hidden_states else None
         if self.reversible:
             hidden = self._reversible(hidden, encoder_hidden_states, block_kwargs, all_hidden)
@@ -190,6 +199,8 @@ class ZooTransformer(nn.Module):
                 if all_hidden is not None:
                     all_hidden.append(hidden)
         hidden = self.final_norm(hidden)
+        if all_hidden is not None:  # the last entry is the final normalised output, as GPT-2 and Llama give it
+            all_hidden[-1] = hidden
         return hidden, (tuple(all_hidden) if all_hidden is not None else None)
 
     @staticmethod

@@ -8,6 +8,7 @@ state, buckets, ...). Because every slot is a real cache layer, `generate()`, be
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
 
@@ -28,13 +29,18 @@ def new_encoder_decoder_cache(decoder) -> EncoderDecoderCache:
 
 
 class SelfManagedCacheLayer(CacheLayerMixin):
-    """A cache slot that its attention module fills itself (prefill/decode methods of its own) instead of through
-    `update(keys, values)`. It counts the positions it has seen, padding included, so `get_seq_length()` and the
-    attention mask's length agree and generate() can use it."""
+    """A cache slot that its attention module fills and reads itself (instead of through `update(keys, values)`).
+    It only stores: the attention computes. It counts the positions it has seen, padding included, so
+    `get_seq_length()` and the attention mask's length agree and generate() can use it. Beam search and batch
+    expansion work on every tensor a subclass lists in `_map`, whose batch dimension comes first."""
 
     def __init__(self):
         super().__init__()
         self.length = 0
+
+    def _map(self, fn) -> None:
+        """Replace every stored tensor t by fn(t)."""
+        raise NotImplementedError
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -52,13 +58,28 @@ class SelfManagedCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if getattr(self, "device", None) is not None:
+            self._map(lambda t: t.to(self.device, non_blocking=True))
+
 
 class RecurrentStateLayer(SelfManagedCacheLayer):
     """A cache slot for attentions that decode from a fixed-size state instead of stored keys and values
     (linear attention's S and z, say). `state` holds tensors with a leading batch dimension, which beam search
     reorders; `shared` holds per-sequence constants without one (e.g. the random projection used at prefill, so a
-    whole generation uses one projection). It counts tokens, so `get_seq_length()` works and generate() can use it.
-    """
+    whole generation uses one projection). A recurrent state cannot be rolled back, so it cannot be cropped."""
 
     is_croppable = False
 
@@ -78,17 +99,134 @@ class RecurrentStateLayer(SelfManagedCacheLayer):
     def _map(self, fn) -> None:
         self.state = {name: fn(t) for name, t in self.state.items()}
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+class TokenBufferLayer(SelfManagedCacheLayer):
+    """A cache slot holding per-token tensors of every cached position (keys, values, buckets, validity, ...) in
+    buffers that grow by doubling along each tensor's token axis, and per-sequence tensors (e.g. hash rotations).
+    Its attention writes and reads it; cropping (assisted decoding) truncates. Per-sequence tensors named in
+    `derived_from_tokens` are indexes over the tokens: cropping drops them and the attention rebuilds them."""
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
+    is_croppable = True
 
-    def offload(self):
-        self._map(lambda t: t.to("cpu", non_blocking=True))
+    def __init__(self, derived_from_tokens: tuple[str, ...] = ()):
+        super().__init__()
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.start_length = 0  # tokens of the prefill
+        self.token_dims: dict[str, int] = {}
+        self.sequence: dict[str, torch.Tensor] = {}
+        self.derived_from_tokens = tuple(derived_from_tokens)
 
-    def prefetch(self):
-        pass
+    def start(self, tokens: dict[str, tuple[torch.Tensor, int]], **sequence: torch.Tensor) -> None:
+        """Fill the slot after a prefill: `tokens` maps a name to (tensor, its token axis)."""
+        first, dim = next(iter(tokens.values()))
+        self.lazy_initialization(first, first)
+        self.length = self.start_length = first.shape[dim]
+        capacity = max(16, 2 * self.length)
+        self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
+        self.buffers = {name: _grown(x.detach(), capacity, dim) for name, (x, dim) in tokens.items()}
+        self.sequence = dict(sequence)
+
+    def append(self, **tokens: torch.Tensor) -> None:
+        """Add new tokens (each tensor holds the same number of them along its token axis)."""
+        name, first = next(iter(tokens.items()))
+        count = first.shape[self.token_dims[name]]
+        capacity = self.buffers[name].shape[self.token_dims[name]]
+        if self.length + count > capacity:
+            capacity = max(2 * capacity, self.length + count)
+            self.buffers = {n: _grown(b, capacity, self.token_dims[n]) for n, b in self.buffers.items()}
+        for name, x in tokens.items():
+            self.buffers[name].narrow(self.token_dims[name], self.length, count).copy_(x.detach())
+        self.length += count
+
+    def tokens(self, name: str) -> torch.Tensor:
+        """The stored `name` of every cached token (a view of the buffer)."""
+        return self.buffers[name].narrow(self.token_dims[name], 0, self.length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last -n tokens for n = `tokens_to_remove` < 0, as transformers' cache layers do (a positive
+        value, the legacy "final size", is refused there and here)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
+        if self.length == 0 or tokens_to_remove == 0:
+            return
+        self.length = max(self.length + tokens_to_remove, 0)
+        for name in self.derived_from_tokens:
+            self.sequence.pop(name, None)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.buffers, self.sequence = {}, {}
+        self.is_initialized = False
+
+    def _map(self, fn) -> None:
+        self.buffers = {name: fn(b) for name, b in self.buffers.items()}
+        self.sequence = {name: fn(t) for name, t in self.sequence.items()}
+
+
+def _grown(x: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
+    """x copied into a buffer of `capacity` along `dim` (the tail is unused space)."""
+    shape = list(x.shape)
+    shape[dim] = capacity
+    buffer = x.new_zeros(shape)
+    buffer.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return buffer
+
+
+# -- torch.export support ---------------------------------------------------------------------------------------
+# A forward in evaluation mode returns its ZooCache; torch.export must know how to take it apart into tensors and put
+# it back together. The cache's layers differ by attention kind, so their attributes are walked generically: tensors
+# become leaves, everything else (ints, dtypes, devices, layer classes) goes into the context.
+
+def _flatten_value(value, leaves: list):
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return ("tensor",)
+    if isinstance(value, dict):
+        return ("dict", tuple((key, _flatten_value(item, leaves)) for key, item in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_flatten_value(item, leaves) for item in value))
+    if isinstance(value, CacheLayerMixin):
+        return ("layer", type(value), tuple((key, _flatten_value(item, leaves)) for key, item in vars(value).items()))
+    return ("constant", value)
+
+
+def _unflatten_value(spec, leaves):
+    kind = spec[0]
+    if kind == "tensor":
+        return next(leaves)
+    if kind == "dict":
+        return {key: _unflatten_value(item, leaves) for key, item in spec[1]}
+    if kind == "layer":
+        layer = spec[1].__new__(spec[1])
+        for key, item in spec[2]:
+            setattr(layer, key, _unflatten_value(item, leaves))
+        return layer
+    if kind == "constant":
+        return spec[1]
+    return kind(_unflatten_value(item, leaves) for item in spec[1])  # a list or tuple
+
+
+def _flatten_cache(cache: ZooCache):
+    leaves = []
+    context = tuple((key, _flatten_value(value, leaves)) for key, value in vars(cache).items())
+    return leaves, context
+
+
+def _flatten_cache_with_keys(cache: ZooCache):
+    leaves, context = _flatten_cache(cache)
+    return [(pytree.SequenceKey(i), leaf) for i, leaf in enumerate(leaves)], context
+
+
+def _unflatten_cache(values, context) -> ZooCache:
+    leaves = iter(values)
+    cache = ZooCache.__new__(ZooCache)
+    for key, spec in context:
+        setattr(cache, key, _unflatten_value(spec, leaves))
+    return cache
+
+
+try:
+    pytree.register_pytree_node(ZooCache, _flatten_cache, _unflatten_cache, serialized_type_name=f"{__name__}.ZooCache",
+                                flatten_with_keys_fn=_flatten_cache_with_keys)
+except ValueError:  # already registered (the module was imported twice, e.g. as remote code)
+    pass

@@ -18,9 +18,10 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class AxialPositionEmbedding(nn.Module):
-    """Reformer's factorised position table (seed 001 §5, Appendix): position p with row-major digits (i_1..i_n)
-    over `axial_pos_shape` gets concat(E_1[i_1], ..., E_n[i_n]); the dims sum to hidden_size. It looks positions
-    up directly, so any length up to the shape's product works, in training too."""
+    """Reformer's factorised position table (Reformer, arXiv 2001.04451, §5 and the appendix on axial positional
+    encodings): position p with row-major digits (i_1..i_n) over `axial_pos_shape` gets concat(E_1[i_1], ..., E_n[i_n]);
+    the dims sum to hidden_size. It looks positions up directly, so any length up to the shape's product works, in
+    training too."""
 
     def __init__(self, shape: list[int], dims: list[int]):
         super().__init__()

@@ -1,5 +1,5 @@
-"""The model classes every family shares. A family subclasses each with its own config class (see
-`modeling_softmax.py`); nothing here depends on the attention kind."""
+"""The task heads every family shares (causal and masked LM, sequence and image classification, encoder-decoder
+generation), over the base models of `base_models.py`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
+from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
     BaseModelOutput,
-    BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     ImageClassifierOutput,
     MaskedLMOutput,
@@ -21,45 +19,30 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
-from attnzoo.configuration.base import ZooConfig
-from attnzoo.modeling.attention import ZooAttention
 from attnzoo.modeling.backbone import ZooTransformer
+from attnzoo.modeling.base_models import (
+    ZooModel,
+    ZooPreTrainedModel,
+    ZooSeq2SeqEncoder,
+    ZooVisionModel,
+    as_output,
+)
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
-from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
 from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
 
 
-def _output(output, return_dict):
-    return output if return_dict is not False else output.to_tuple()
+def _logits_as_given(logits):
+    """The "head" of a loss computed from logits already at hand."""
+    return logits
 
 
-class ZooPreTrainedModel(PreTrainedModel):
-    config_class = ZooConfig
-    base_model_prefix = "model"
-    main_input_name = "input_ids"
-    supports_gradient_checkpointing = True
-    _no_split_modules = ["ZooBlock"]
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, AxialPositionEmbedding):
-            for weight in module.weights:
-                init.normal_(weight, mean=0.0, std=std)
-        elif isinstance(module, ZooAttention):
-            module.init_buffers()
-        elif isinstance(module, PatchEmbedding):
-            if module.cls_token is not None:
-                init.trunc_normal_(module.cls_token, std=std)
-            if getattr(module, "position_embeddings", None) is not None:
-                init.trunc_normal_(module.position_embeddings, std=std)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # Each layer's attention decides its cache slot, so the model builds its own `ZooCache` in `forward`
-        # instead of letting generate() build a plain DynamicCache.
-        return False
+def _wants_logits(model, labels, skip_logits) -> bool:
+    """Whether to materialise the [batch, length, vocab] logits. `skip_logits` (transformers' name for it) decides
+    when given; by default they are skipped only where the chunked loss exists to avoid them: a training forward with
+    labels and `loss_chunk_size` set. Evaluation (e.g. the Trainer's `compute_metrics`) always gets logits."""
+    if skip_logits is not None:
+        return not skip_logits
+    return labels is None or not model.config.loss_chunk_size or not model.training
 
 
 def _as_decoder(config):
@@ -68,46 +51,6 @@ def _as_decoder(config):
     config = copy.deepcopy(config)
     config.is_decoder = True
     return config
-
-
-class ZooModel(ZooPreTrainedModel):
-    """Token embeddings and the Transformer: a bidirectional encoder, or a causal decoder when `is_decoder`."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.transformer = ZooTransformer(config, causal=config.is_decoder)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                past_key_values=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds.")
-        if inputs_embeds is None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected (batch, length).")
-            inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache is None:  # caches serve decoding; a training forward never needs one
-            use_cache = self.config.use_cache and self.config.is_decoder and not self.training
-        if use_cache and not self.config.is_decoder:
-            raise ValueError("use_cache=True needs a decoder; build the model with is_decoder=True.")
-        if use_cache and past_key_values is None:
-            past_key_values = ZooCache.for_transformer(self.transformer)
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
-            self.config.output_hidden_states
-        hidden, all_hidden = self.transformer(
-            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values if use_cache else None, output_hidden_states=output_hidden_states,
-        )
-        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
-                                      hidden_states=all_hidden)
-        return _output(out, return_dict)
 
 
 class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
@@ -134,21 +77,27 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    def new_decoding_cache(self):
+        return ZooCache.for_transformer(self.model.transformer)
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 past_key_values=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
-                logits_to_keep: int = 0, **kwargs):
+                logits_to_keep: int = 0, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, return_dict=True)
         hidden = out.last_hidden_state
         loss = logits = None
-        if labels is not None:
-            loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:  # chunked loss exists to never hold all logits
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+        if labels is not None:
+            if logits is not None and not logits_to_keep:  # reuse them instead of computing the head again
+                loss = causal_lm_loss(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size, num_items_in_batch)
         result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                         hidden_states=out.hidden_states)
-        return _output(result, return_dict)
+        return as_output(result, return_dict, self.config)
 
 
 class ZooForMaskedLM(ZooPreTrainedModel):
@@ -174,16 +123,22 @@ class ZooForMaskedLM(ZooPreTrainedModel):
         self.lm_head.decoder = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
+                output_hidden_states=None, return_dict=None, num_items_in_batch=None, skip_logits: bool | None = None,
+                **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True)
         hidden = out.last_hidden_state
         loss = logits = None
-        if labels is not None:
-            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden)
-        return _output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict)
+        if labels is not None:
+            if logits is not None:
+                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
+                                           num_items_in_batch)
+        return as_output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict,
+                       self.config)
 
 
 class MaskedLMHead(nn.Module):
@@ -243,6 +198,9 @@ class ClassifierHead(nn.Module):
 class ZooForSequenceClassification(ZooPreTrainedModel):
     """Sequence classification or regression from the pooled sequence (`config.pooling`)."""
 
+    # The loss is a mean over examples: the Trainer then divides by the accumulation steps itself.
+    accepts_loss_kwargs = False
+
     def __init__(self, config):
         super().__init__(config)
         self.model = ZooModel(config)
@@ -255,40 +213,18 @@ class ZooForSequenceClassification(ZooPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states)
+                         inputs_embeds=inputs_embeds, use_cache=False, output_hidden_states=output_hidden_states,
+                         return_dict=True)
         logits = self.head(pool(out.last_hidden_state, attention_mask, self.config.pooling))
         loss = classification_loss(self.config, logits, labels) if labels is not None else None
-        return _output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
-                       return_dict)
-
-
-class ZooVisionModel(ZooPreTrainedModel):
-    """DeiT-style image encoder: patch embedding with 2-D positions (and a class token when pooling="cls")."""
-
-    main_input_name = "pixel_values"
-
-    def __init__(self, config):
-        super().__init__(config)
-        if config.pooling == "last":
-            raise ValueError("pooling='last' has no meaning for images; use 'mean' or 'cls'.")
-        if config.is_decoder:
-            raise ValueError("image models are encoders; set is_decoder=False.")
-        self.patch_embed = PatchEmbedding(config)
-        self.transformer = ZooTransformer(config, causal=False, with_positions=False)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.patch_embed.projection
-
-    def forward(self, pixel_values=None, output_hidden_states=None, return_dict=None, **kwargs):
-        tokens = self.patch_embed(pixel_values)
-        grid = (self.patch_embed.grid, self.patch_embed.grid)
-        hidden, all_hidden = self.transformer(tokens, grid_size=grid, output_hidden_states=output_hidden_states)
-        return _output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict)
+        return as_output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
+                       return_dict, self.config)
 
 
 class ZooForImageClassification(ZooPreTrainedModel):
     main_input_name = "pixel_values"
+    # The loss is a mean over examples (soft Mixup targets included): the Trainer divides by accumulation steps.
+    accepts_loss_kwargs = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -297,7 +233,7 @@ class ZooForImageClassification(ZooPreTrainedModel):
         self.post_init()
 
     def forward(self, pixel_values=None, labels=None, output_hidden_states=None, return_dict=None, **kwargs):
-        out = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states)
+        out = self.model(pixel_values=pixel_values, output_hidden_states=output_hidden_states, return_dict=True)
         logits = self.head(pool(out.last_hidden_state, None, self.config.pooling))
         loss = None
         if labels is not None:  # soft targets (Mixup/CutMix) are [batch, num_labels] floats
@@ -305,28 +241,8 @@ class ZooForImageClassification(ZooPreTrainedModel):
                 loss = torch.sum(-labels * upcast(logits).log_softmax(-1), dim=-1).mean()
             else:
                 loss = classification_loss(self.config, logits, labels)
-        return _output(ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
-                       return_dict)
-
-
-class ZooSeq2SeqEncoder(nn.Module):
-    """The encoder half of an encoder-decoder model; owns the vocabulary embedding the decoder shares."""
-
-    main_input_name = "input_ids"
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.transformer = ZooTransformer(config, causal=False)
-
-    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        hidden, all_hidden = self.transformer(inputs_embeds, attention_mask=attention_mask,
-                                              output_hidden_states=bool(output_hidden_states))
-        return BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden)
+        return as_output(ImageClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states),
+                       return_dict, self.config)
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: int, start_token_id: int) -> torch.Tensor:
@@ -366,9 +282,12 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
+    def new_decoding_cache(self):
+        return new_encoder_decoder_cache(self.decoder)
+
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
+                return_dict=None, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            output_hidden_states=output_hidden_states)
@@ -390,12 +309,16 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
             output_hidden_states=bool(output_hidden_states),
         )
         loss = logits = None
-        if labels is not None:
-            loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size)
-        if labels is None or not self.config.loss_chunk_size:
+        if _wants_logits(self, labels, skip_logits):
             logits = self.lm_head(hidden)
+        if labels is not None:
+            if logits is not None:
+                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
+            else:
+                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
+                                           num_items_in_batch)
         out = Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
                               decoder_hidden_states=decoder_hidden,
                               encoder_last_hidden_state=encoder_outputs.last_hidden_state,
                               encoder_hidden_states=encoder_outputs.hidden_states)
-        return _output(out, return_dict)
+        return as_output(out, return_dict, self.config)

@@ -1,7 +1,14 @@
 """The LARA family: the shared backbone and heads with linear randomized attention (causal LARA in decoders)."""
 
 from attnzoo.configuration.lara import ZooLARAConfig
-from attnzoo.modeling import heads
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
+from attnzoo.modeling.heads import (
+    ZooForCausalLM,
+    ZooForConditionalGeneration,
+    ZooForImageClassification,
+    ZooForMaskedLM,
+    ZooForSequenceClassification,
+)
 
 __all__ = [
     "ZooLARAPreTrainedModel",
@@ -14,31 +21,31 @@ __all__ = [
 ]
 
 
-class ZooLARAPreTrainedModel(heads.ZooPreTrainedModel):
+class ZooLARAPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooLARAConfig
     # Causal LARA decodes from a recurrent state, which cannot be cropped: no assisted decoding.
     _is_stateful = True
 
 
-class ZooLARAModel(ZooLARAPreTrainedModel, heads.ZooModel):
+class ZooLARAModel(ZooLARAPreTrainedModel, ZooModel):
     pass
 
 
-class ZooLARAForCausalLM(ZooLARAPreTrainedModel, heads.ZooForCausalLM):
+class ZooLARAForCausalLM(ZooLARAPreTrainedModel, ZooForCausalLM):
     pass
 
 
-class ZooLARAForMaskedLM(ZooLARAPreTrainedModel, heads.ZooForMaskedLM):
+class ZooLARAForMaskedLM(ZooLARAPreTrainedModel, ZooForMaskedLM):
     pass
 
 
-class ZooLARAForSequenceClassification(ZooLARAPreTrainedModel, heads.ZooForSequenceClassification):
+class ZooLARAForSequenceClassification(ZooLARAPreTrainedModel, ZooForSequenceClassification):
     pass
 
 
-class ZooLARAForImageClassification(ZooLARAPreTrainedModel, heads.ZooForImageClassification):
+class ZooLARAForImageClassification(ZooLARAPreTrainedModel, ZooForImageClassification):
     pass
 
 
-class ZooLARAForConditionalGeneration(ZooLARAPreTrainedModel, heads.ZooForConditionalGeneration):
+class ZooLARAForConditionalGeneration(ZooLARAPreTrainedModel, ZooForConditionalGeneration):
     pass

@@ -1,7 +1,14 @@
 """The Performer family: the shared backbone and heads with FAVOR+ (or elu+1) attention."""
 
 from attnzoo.configuration.performer import ZooPerformerConfig
-from attnzoo.modeling import heads
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
+from attnzoo.modeling.heads import (
+    ZooForCausalLM,
+    ZooForConditionalGeneration,
+    ZooForImageClassification,
+    ZooForMaskedLM,
+    ZooForSequenceClassification,
+)
 
 __all__ = [
     "ZooPerformerPreTrainedModel",
@@ -14,31 +21,31 @@ __all__ = [
 ]
 
 
-class ZooPerformerPreTrainedModel(heads.ZooPreTrainedModel):
+class ZooPerformerPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooPerformerConfig
     # Decoding state is a recurrent (S, z), which cannot be cropped: no assisted decoding.
     _is_stateful = True
 
 
-class ZooPerformerModel(ZooPerformerPreTrainedModel, heads.ZooModel):
+class ZooPerformerModel(ZooPerformerPreTrainedModel, ZooModel):
     pass
 
 
-class ZooPerformerForCausalLM(ZooPerformerPreTrainedModel, heads.ZooForCausalLM):
+class ZooPerformerForCausalLM(ZooPerformerPreTrainedModel, ZooForCausalLM):
     pass
 
 
-class ZooPerformerForMaskedLM(ZooPerformerPreTrainedModel, heads.ZooForMaskedLM):
+class ZooPerformerForMaskedLM(ZooPerformerPreTrainedModel, ZooForMaskedLM):
     pass
 
 
-class ZooPerformerForSequenceClassification(ZooPerformerPreTrainedModel, heads.ZooForSequenceClassification):
+class ZooPerformerForSequenceClassification(ZooPerformerPreTrainedModel, ZooForSequenceClassification):
     pass
 
 
-class ZooPerformerForImageClassification(ZooPerformerPreTrainedModel, heads.ZooForImageClassification):
+class ZooPerformerForImageClassification(ZooPerformerPreTrainedModel, ZooForImageClassification):
     pass
 
 
-class ZooPerformerForConditionalGeneration(ZooPerformerPreTrainedModel, heads.ZooForConditionalGeneration):
+class ZooPerformerForConditionalGeneration(ZooPerformerPreTrainedModel, ZooForConditionalGeneration):
     pass

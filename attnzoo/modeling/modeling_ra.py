@@ -1,7 +1,14 @@
 """The RA family: the shared backbone and heads with randomized attention."""
 
 from attnzoo.configuration.ra import ZooRAConfig
-from attnzoo.modeling import heads
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
+from attnzoo.modeling.heads import (
+    ZooForCausalLM,
+    ZooForConditionalGeneration,
+    ZooForImageClassification,
+    ZooForMaskedLM,
+    ZooForSequenceClassification,
+)
 
 __all__ = [
     "ZooRAPreTrainedModel",
@@ -14,29 +21,29 @@ __all__ = [
 ]
 
 
-class ZooRAPreTrainedModel(heads.ZooPreTrainedModel):
+class ZooRAPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooRAConfig
 
 
-class ZooRAModel(ZooRAPreTrainedModel, heads.ZooModel):
+class ZooRAModel(ZooRAPreTrainedModel, ZooModel):
     pass
 
 
-class ZooRAForCausalLM(ZooRAPreTrainedModel, heads.ZooForCausalLM):
+class ZooRAForCausalLM(ZooRAPreTrainedModel, ZooForCausalLM):
     pass
 
 
-class ZooRAForMaskedLM(ZooRAPreTrainedModel, heads.ZooForMaskedLM):
+class ZooRAForMaskedLM(ZooRAPreTrainedModel, ZooForMaskedLM):
     pass
 
 
-class ZooRAForSequenceClassification(ZooRAPreTrainedModel, heads.ZooForSequenceClassification):
+class ZooRAForSequenceClassification(ZooRAPreTrainedModel, ZooForSequenceClassification):
     pass
 
 
-class ZooRAForImageClassification(ZooRAPreTrainedModel, heads.ZooForImageClassification):
+class ZooRAForImageClassification(ZooRAPreTrainedModel, ZooForImageClassification):
     pass
 
 
-class ZooRAForConditionalGeneration(ZooRAPreTrainedModel, heads.ZooForConditionalGeneration):
+class ZooRAForConditionalGeneration(ZooRAPreTrainedModel, ZooForConditionalGeneration):
     pass

@@ -1,8 +1,16 @@
-"""The Reformer family (seed 001): the shared backbone and heads with LSH and local attention, reversible layers,
-chunked feed-forward and axial positions, as set by `ZooReformerConfig`."""
+"""The Reformer family ("Reformer: The Efficient Transformer", arXiv 2001.04451): the shared backbone and heads with
+LSH and local attention, reversible layers, chunked feed-forward and axial positions, as set by
+`ZooReformerConfig`."""
 
 from attnzoo.configuration.reformer import ZooReformerConfig
-from attnzoo.modeling import heads
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
+from attnzoo.modeling.heads import (
+    ZooForCausalLM,
+    ZooForConditionalGeneration,
+    ZooForImageClassification,
+    ZooForMaskedLM,
+    ZooForSequenceClassification,
+)
 
 __all__ = [
     "ZooReformerPreTrainedModel",
@@ -15,29 +23,29 @@ __all__ = [
 ]
 
 
-class ZooReformerPreTrainedModel(heads.ZooPreTrainedModel):
+class ZooReformerPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooReformerConfig
 
 
-class ZooReformerModel(ZooReformerPreTrainedModel, heads.ZooModel):
+class ZooReformerModel(ZooReformerPreTrainedModel, ZooModel):
     pass
 
 
-class ZooReformerForCausalLM(ZooReformerPreTrainedModel, heads.ZooForCausalLM):
+class ZooReformerForCausalLM(ZooReformerPreTrainedModel, ZooForCausalLM):
     pass
 
 
-class ZooReformerForMaskedLM(ZooReformerPreTrainedModel, heads.ZooForMaskedLM):
+class ZooReformerForMaskedLM(ZooReformerPreTrainedModel, ZooForMaskedLM):
     pass
 
 
-class ZooReformerForSequenceClassification(ZooReformerPreTrainedModel, heads.ZooForSequenceClassification):
+class ZooReformerForSequenceClassification(ZooReformerPreTrainedModel, ZooForSequenceClassification):
     pass
 
 
-class ZooReformerForImageClassification(ZooReformerPreTrainedModel, heads.ZooForImageClassification):
+class ZooReformerForImageClassification(ZooReformerPreTrainedModel, ZooForImageClassification):
     pass
 
 
-class ZooReformerForConditionalGeneration(ZooReformerPreTrainedModel, heads.ZooForConditionalGeneration):
+class ZooReformerForConditionalGeneration(ZooReformerPreTrainedModel, ZooForConditionalGeneration):
     pass

@@ -1,7 +1,14 @@
 """The softmax baseline family: the shared backbone and heads with exact attention."""
 
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
-from attnzoo.modeling import heads
+from attnzoo.modeling.base_models import ZooModel, ZooPreTrainedModel
+from attnzoo.modeling.heads import (
+    ZooForCausalLM,
+    ZooForConditionalGeneration,
+    ZooForImageClassification,
+    ZooForMaskedLM,
+    ZooForSequenceClassification,
+)
 
 __all__ = [
     "ZooSoftmaxPreTrainedModel",
@@ -14,29 +21,29 @@ __all__ = [
 ]
 
 
-class ZooSoftmaxPreTrainedModel(heads.ZooPreTrainedModel):
+class ZooSoftmaxPreTrainedModel(ZooPreTrainedModel):
     config_class = ZooSoftmaxConfig
 
 
-class ZooSoftmaxModel(ZooSoftmaxPreTrainedModel, heads.ZooModel):
+class ZooSoftmaxModel(ZooSoftmaxPreTrainedModel, ZooModel):
     pass
 
 
-class ZooSoftmaxForCausalLM(ZooSoftmaxPreTrainedModel, heads.ZooForCausalLM):
+class ZooSoftmaxForCausalLM(ZooSoftmaxPreTrainedModel, ZooForCausalLM):
     pass
 
 
-class ZooSoftmaxForMaskedLM(ZooSoftmaxPreTrainedModel, heads.ZooForMaskedLM):
+class ZooSoftmaxForMaskedLM(ZooSoftmaxPreTrainedModel, ZooForMaskedLM):
     pass
 
 
-class ZooSoftmaxForSequenceClassification(ZooSoftmaxPreTrainedModel, heads.ZooForSequenceClassification):
+class ZooSoftmaxForSequenceClassification(ZooSoftmaxPreTrainedModel, ZooForSequenceClassification):
     pass
 
 
-class ZooSoftmaxForImageClassification(ZooSoftmaxPreTrainedModel, heads.ZooForImageClassification):
+class ZooSoftmaxForImageClassification(ZooSoftmaxPreTrainedModel, ZooForImageClassification):
     pass
 
 
-class ZooSoftmaxForConditionalGeneration(ZooSoftmaxPreTrainedModel, heads.ZooForConditionalGeneration):
+class ZooSoftmaxForConditionalGeneration(ZooSoftmaxPreTrainedModel, ZooForConditionalGeneration):
     pass

@@ -1,4 +1,5 @@
-"""The reversible residual stack's memory-saving backward (seed 001 §3, after RevNets).
+"""The reversible residual stack's memory-saving backward ("Reformer: The Efficient Transformer", arXiv 2001.04451,
+§3, after "The Reversible Residual Network", arXiv 1707.04585).
 
 Forward, per block:  y1 = x1 + F(x2),  y2 = x2 + G(y1)   (F = attention branch, G = feed-forward branch).
 Backward, per block in reverse: recompute G(y1) to get x2 = y2 - G(y1), recompute F(x2) to get x1 = y1 - F(x2),
@@ -6,8 +7,9 @@ and backpropagate through both recomputations. Only the last block's outputs are
 not grow with depth.
 
 The recomputation must repeat the forward exactly: the RNG state (dropout, drop-path, random attention draws) is
-captured before each branch and restored before it is recomputed; autocast is re-entered as it was; attention
-modules get back the `replay` dict they filled in the forward (e.g. LSH buckets, so nothing is rehashed).
+captured before each branch and restored before it is recomputed; autocast is re-entered as it was; each attention
+gets the same `Recomputation` on the forward pass and on its recomputation (e.g. LSH saves its buckets there, so
+nothing is rehashed).
 
 Parameter gradients are returned from `backward` like any autograd function's (the parameters are inputs of the
 function) instead of being written by a nested `.backward()`, so DistributedDataParallel sees each gradient exactly
@@ -19,6 +21,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+
+from attnzoo.modeling.attention import Recomputation
 
 
 def _capture_rng(device: torch.device):
@@ -53,11 +57,11 @@ class ReversibleStackFunction(torch.autograd.Function):
         ctx.records = []
         x1 = x2 = x
         for block in blocks:
-            replay, rng_f = {}, _capture_rng(x.device)
-            y1 = x1 + block.attention_branch(x2, context, replay=replay, **block_kwargs)
+            recompute, rng_f = Recomputation(), _capture_rng(x.device)
+            y1 = x1 + block.attention_branch(x2, context, recompute=recompute, **block_kwargs)
             rng_g = _capture_rng(x.device)
             y2 = x2 + block.feed_forward_branch(y1)
-            ctx.records.append((rng_f, rng_g, replay))
+            ctx.records.append((rng_f, rng_g, recompute))
             x1, x2 = y1, y2
         ctx.save_for_backward(x1, x2, context)
         ctx.param_index = {id(p): i for i, p in enumerate(params)}
@@ -90,7 +94,8 @@ class ReversibleStackFunction(torch.autograd.Function):
         def minus(a, b):
             return a.sub_(b) if owned else a - b
 
-        for block, (rng_f, rng_g, replay) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
+        for block, (rng_f, rng_g, recompute) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
+            recompute.replaying = True
             g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
             if block.chunked_feed_forward(y1):
                 # Recompute and backpropagate G one chunk at a time: the backward never holds the whole
@@ -116,7 +121,7 @@ class ReversibleStackFunction(torch.autograd.Function):
             f_params = [p for p in block.attention_parameters() if p.requires_grad]
             with torch.enable_grad(), _restored_rng(rng_f, ctx.device), torch.autocast(device_type, dtype, enabled):
                 x2_in = x2.detach().requires_grad_()
-                f_out = block.attention_branch(x2_in, context_in, replay=replay, **ctx.block_kwargs)
+                f_out = block.attention_branch(x2_in, context_in, recompute=recompute, **ctx.block_kwargs)
             wrt = [x2_in] + ([context_in] if context_in is not None and context_in.requires_grad else []) + f_params
             f_grads = list(torch.autograd.grad(f_out, wrt, dy1, allow_unused=True))
             dx2 = dy2.add_(f_grads[0])

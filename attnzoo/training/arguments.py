@@ -44,6 +44,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--num_train_epochs", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
+    g.add_argument("--cpu_threads", type=int, default=0,
+                   help="CPU threads per process on a CPU run (0: the machine's cores split between the processes; "
+                        "accelerate launch would otherwise leave one)")
 
     g = parser.add_argument_group("evaluation, checkpoints and logging")
     g.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: only at the end)")
@@ -56,6 +59,17 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--output_dir", default="runs/run")
     g.add_argument("--report_to", default="auto", choices=REPORT_TO_CHOICES,
                    help="auto: a metrics.jsonl, plus TensorBoard when installed")
+
+    g = parser.add_argument_group("faults (README: When things go wrong)")
+    g.add_argument("--max_nonfinite_steps", type=int, default=10,
+                   help="skip the update of a step whose loss or gradient norm is NaN/inf, and stop once more than N "
+                        "steps were skipped (0: stop at the first)")
+    g.add_argument("--max_failed_saves", type=int, default=2,
+                   help="a checkpoint save that fails (e.g. a full disk) is reported and training goes on; stop when "
+                        "more than N saves in a row fail (0: stop at the first)")
+    g.add_argument("--skip_bad_examples", action="store_true",
+                   help="skip malformed examples (bad JSON lines, missing fields, unreadable images, lines that are "
+                        "not UTF-8) and report how many, instead of stopping at the first with its file and line")
 
     g = parser.add_argument_group("Hugging Face Hub")
     g.add_argument("--push_to_hub", action="store_true", help="upload the final model, tokenizer and model card")
@@ -75,6 +89,10 @@ def check_training_arguments(args: argparse.Namespace) -> None:
                  "num_warmup_steps"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set 0 (off) or a positive integer.")
+    for name in ("max_nonfinite_steps", "max_failed_saves"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set how many to tolerate (0: stop at the "
+                             "first).")
     if args.logging_steps < 1:
         raise ValueError(f"--logging_steps={args.logging_steps} is invalid: set a positive integer.")
     if not args.learning_rate > 0:

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from attnzoo.training.data_checks import ImageReader, dataset_image_location
+
 
 def load_labelled_images(args):
     """(DatasetDict with 'train' and 'validation', label names)."""
@@ -82,10 +84,12 @@ class TransformedImages(Dataset):
     that dropout, drop path and Mixup use is left untouched. `set_epoch` is called by accelerate's loader.
     """
 
-    def __init__(self, split, transform, image_column: str, label_column: str, seed: int = 0):
+    def __init__(self, split, transform, image_column: str, label_column: str, seed: int = 0,
+                 skip_bad: bool = False):
         self.split, self.transform = split, transform
         self.image_column, self.label_column = image_column, label_column
         self.seed, self.epoch = seed, 0
+        self.read_example = ImageReader(self._decode, len(split), self._location, skip_bad)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -93,16 +97,24 @@ class TransformedImages(Dataset):
     def __len__(self):
         return len(self.split)
 
+    def _decode(self, index: int):
+        row = self.split[index]
+        return row[self.image_column].convert("RGB"), int(row[self.label_column])
+
+    def _location(self, index: int) -> str:
+        return dataset_image_location(self.split, self.image_column, index)
+
     def __getitem__(self, index):
-        row = self.split[int(index)]
+        image, label = self.read_example(int(index))  # an unreadable image: named, or replaced with skip_bad
         example_seed = ((self.seed * 1_000_003 + self.epoch) * 1_000_003 + int(index)) % (1 << 63)
         with isolated_rng(example_seed):
-            pixels = self.transform(row[self.image_column].convert("RGB"))
-        return {"pixel_values": pixels, "labels": int(row[self.label_column])}
+            pixels = self.transform(image)
+        return {"pixel_values": pixels, "labels": label}
 
 
-def with_transform(split, transform, image_column: str, label_column: str, seed: int = 0) -> TransformedImages:
-    return TransformedImages(split, transform, image_column, label_column, seed)
+def with_transform(split, transform, image_column: str, label_column: str, seed: int = 0,
+                   skip_bad: bool = False) -> TransformedImages:
+    return TransformedImages(split, transform, image_column, label_column, seed, skip_bad)
 
 
 def collate_images(examples) -> dict[str, torch.Tensor]:

@@ -1,10 +1,11 @@
 """Images as data: uint8 [H, W, 3] arrays from numpy files (.npy / .npz, e.g. the Downsampled-ImageNet 64x64
 release), image folders, or a `datasets` dataset; and their pixel-level language-modelling form (imagenet64).
 
-Pixel LM (seed 001 §5, imagenet64): an image is its H*W*3 sub-pixels in raster order (row, column, channel), each a
-256-way token. A start token (id 256) is prepended so that every sub-pixel, the first included, is predicted:
-input_ids = [256, x_0, ..., x_{n-1}], labels = [-100, x_0, ..., x_{n-1}]; the model therefore needs vocab_size 257
-and max_position_embeddings n + 1 (12,289 for 64x64). bits/dim = summed NLL / (n * ln 2) over all sub-pixels.
+Pixel LM (Reformer, arXiv 2001.04451, §5, imagenet64): an image is its H*W*3 sub-pixels in raster order (row, column,
+channel), each a 256-way token. A start token (id 256) is prepended so that every sub-pixel, the first included, is
+predicted: input_ids = [256, x_0, ..., x_{n-1}], labels = [-100, x_0, ..., x_{n-1}]; the model therefore needs
+vocab_size 257 and max_position_embeddings n + 1 (12,289 for 64x64). bits/dim = summed NLL / (n * ln 2) over all
+sub-pixels.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from attnzoo.training.data_checks import ImageReader, dataset_image_location
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 PIXEL_START_TOKEN = 256
@@ -89,9 +92,10 @@ def resize_rgb(image, image_size: int) -> np.ndarray:
 
 
 class FolderImages(Dataset):
-    """Every image file under a folder (recursively, sorted), decoded and resized when read."""
+    """Every image file under a folder (recursively, sorted), decoded and resized when read; a file that does not
+    decode raises ValueError naming it, or with `skip_bad` is replaced by the next readable one."""
 
-    def __init__(self, folder: str | Path, image_size: int):
+    def __init__(self, folder: str | Path, image_size: int, skip_bad: bool = False):
         folder = Path(folder)
         if not folder.is_dir():
             raise ValueError(f"image folder {folder} does not exist.")
@@ -99,40 +103,55 @@ class FolderImages(Dataset):
         if not self.paths:
             raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}.")
         self.image_size = image_size
+        self.read_image = ImageReader(self._decode, len(self.paths), self._location, skip_bad)
 
     def __len__(self):
         return len(self.paths)
 
-    def __getitem__(self, index) -> np.ndarray:
+    def _location(self, index: int) -> str:
+        return str(self.paths[index])
+
+    def _decode(self, index: int) -> np.ndarray:
         from PIL import Image
 
         with Image.open(self.paths[index]) as image:
             return resize_rgb(image, self.image_size)
 
+    def __getitem__(self, index) -> np.ndarray:
+        return self.read_image(int(index))
+
 
 class HubImages(Dataset):
     """The image column of a `datasets` split (PIL images or arrays), resized when read."""
 
-    def __init__(self, split, image_column: str, image_size: int):
+    def __init__(self, split, image_column: str, image_size: int, skip_bad: bool = False):
         if image_column not in split.column_names:
             raise ValueError(f"the dataset has no column {image_column!r}; its columns are {split.column_names}. "
                              "Pass --image_column.")
         self.split, self.column, self.image_size = split, image_column, image_size
+        self.read_image = ImageReader(self._decode, len(split), self._location, skip_bad)
 
     def __len__(self):
         return len(self.split)
 
-    def __getitem__(self, index) -> np.ndarray:
+    def _location(self, index: int) -> str:
+        return dataset_image_location(self.split, self.column, index)
+
+    def _decode(self, index: int) -> np.ndarray:
         image = self.split[index][self.column]
         if hasattr(image, "convert"):
             return resize_rgb(image, self.image_size)
         return to_hwc_uint8(np.asarray(image)[None], self.image_size)[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self.read_image(int(index))
 
 
 def load_image_sources(args) -> tuple[Dataset, Dataset]:
     """(train, held-out) uint8 image datasets for the pixel LM from --train_file/--validation_file (.npy/.npz),
     --train_dir/--validation_dir (image folders) or --dataset_name (a `datasets` dataset)."""
     size = args.image_size
+    skip_bad = getattr(args, "skip_bad_examples", False)
     if args.dataset_name:
         from datasets import load_dataset
 
@@ -141,7 +160,8 @@ def load_image_sources(args) -> tuple[Dataset, Dataset]:
         if "train" not in raw or heldout is None:
             raise ValueError(f"{args.dataset_name} has splits {list(raw)}; it needs 'train' and 'validation' (or "
                              "'test').")
-        return HubImages(raw["train"], args.image_column, size), HubImages(raw[heldout], args.image_column, size)
+        return (HubImages(raw["train"], args.image_column, size, skip_bad),
+                HubImages(raw[heldout], args.image_column, size, skip_bad))
     if args.train_file:
         if not args.validation_file:
             raise ValueError("--corpus imagenet64 with --train_file needs --validation_file (the held-out images).")
@@ -150,7 +170,7 @@ def load_image_sources(args) -> tuple[Dataset, Dataset]:
     if args.train_dir:
         if not args.validation_dir:
             raise ValueError("--train_dir needs --validation_dir (the held-out images).")
-        return FolderImages(args.train_dir, size), FolderImages(args.validation_dir, size)
+        return FolderImages(args.train_dir, size, skip_bad), FolderImages(args.validation_dir, size, skip_bad)
     raise ValueError("--corpus imagenet64 needs images: --train_file/--validation_file (.npy/.npz arrays, e.g. "
                      "Imagenet64_train_npz/*.npz), --train_dir/--validation_dir (image folders) or --dataset_name.")
 

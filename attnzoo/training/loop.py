@@ -10,9 +10,11 @@ counter, optimizer, scheduler, RNG states of every process) and skipping the mic
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +24,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
-from attnzoo.training.checkpoints import resolve_resume, save_checkpoint
+from attnzoo.training.checkpoints import read_loop_state, resolve_resume, save_checkpoint
+from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.recipes import parse_model_overrides
+from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
 LM_NO_DECAY = ("embed", "position", "cls_token")  # the LM script's historical choice: no decay on any embedding
@@ -33,7 +37,7 @@ VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, positio
 def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
     output_dir = Path(args.output_dir)
     trackers = build_trackers(args.report_to, output_dir, run_name)
-    return Accelerator(
+    accelerator = Accelerator(
         # Without an accelerator device, `cpu=True` is what makes `accelerate launch --multi_gpu` processes join one
         # gloo process group (MULTI_CPU) instead of each training alone.
         cpu=not torch.accelerator.is_available(),
@@ -43,6 +47,8 @@ def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
         log_with=trackers or None,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
+    set_cpu_threads(getattr(args, "cpu_threads", 0), accelerator.device)
+    return accelerator
 
 
 def new_model_config(family: str, values: dict, overrides: list[str]):
@@ -99,8 +105,11 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, no_decay
 
 
 def build_optimizer(model, args, no_decay_name_parts=LM_NO_DECAY) -> torch.optim.Optimizer:
+    """AdamW, fused: one kernel per step (faster than the foreach form on CPU too), and it can skip a step with a
+    non-finite gradient on the device (its `found_inf` input; see attnzoo.training.faults)."""
     return torch.optim.AdamW(optimizer_param_groups(model, args.weight_decay, no_decay_name_parts),
-                             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+                             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                             fused=True)
 
 
 def optimizer_steps_per_epoch(num_batches: int, gradient_accumulation_steps: int) -> int:
@@ -125,11 +134,21 @@ def build_scheduler(optimizer, args, num_training_steps: int, num_processes: int
                          num_training_steps=num_training_steps * num_processes, scheduler_specific_kwargs=specific)
 
 
-def resume_if_asked(accelerator: Accelerator, args) -> int:
-    """Load the checkpoint `--resume_from_checkpoint` names (after `prepare`); returns the step it was taken at."""
-    folder, step = resolve_resume(args.output_dir, args.resume_from_checkpoint)
+def resume_if_asked(accelerator: Accelerator, args, guard=None) -> int:
+    """Load the checkpoint `--resume_from_checkpoint` names (after `prepare`), after checking it (`latest` passes over
+    damaged ones with a warning), and the `guard`'s counters saved with it; returns the step it was taken at."""
+    warn = logging.getLogger(__name__).warning if accelerator.is_main_process else (lambda message: None)
+    folder, step = resolve_resume(args.output_dir, args.resume_from_checkpoint, warn=warn)
     if folder is not None:
-        accelerator.load_state(str(folder))
+        try:
+            accelerator.load_state(str(folder))
+        except Exception as err:
+            raise RuntimeError(f"{folder} passed the integrity check but does not load ({type(err).__name__}: "
+                               f"{err}). If the model, optimizer or number of processes changed since it was saved, "
+                               "resume with the original settings; otherwise pass an older "
+                               "OUTPUT_DIR/checkpoints/step_N folder.") from err
+        if guard is not None:
+            guard.load_state_dict(read_loop_state(folder))
         accelerator.print(f"resumed from {folder} at step {step}")
     return step
 
@@ -156,44 +175,63 @@ def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int)
 
 class RunningMean:
     """Sums detached per-step losses on the device and reads them back only when logging (no per-step sync); the
-    logged value is the mean over processes too."""
+    logged value is the mean over processes too. Non-finite values (steps the guard skips) are left out of the mean
+    (NaN if every value was); the metrics record counts those steps separately."""
 
     def __init__(self):
-        self.total, self.count = None, 0
+        self.sums, self.count = None, 0  # sums: [total of the finite values, how many]
 
     def add(self, value: torch.Tensor) -> None:
         value = value.detach().float()
-        self.total = value if self.total is None else self.total + value
+        finite = torch.isfinite(value)
+        sums = torch.stack([torch.where(finite, value, 0.0), finite.float()])
+        self.sums = sums if self.sums is None else self.sums + sums
         self.count += 1
 
     def pop(self, accelerator: Accelerator) -> float | None:
         if self.count == 0:
             return None
-        mean = accelerator.reduce(self.total / self.count, "mean").item()
-        self.total, self.count = None, 0
-        return mean
+        total, count = accelerator.reduce(self.sums, "sum").tolist()
+        self.sums, self.count = None, 0
+        return total / count if count else math.nan
 
 
-def training_step(accelerator: Accelerator, model, optimizer, scheduler, max_grad_norm: float, compute_loss):
+def training_step(accelerator: Accelerator, model, optimizer, scheduler, max_grad_norm: float, compute_loss,
+                  guard=None):
     """One micro-batch: `compute_loss()` (the forward) inside `accelerator.accumulate`, backward, clipping when the
     gradients sync, then the optimizer and schedule steps (accelerate skips them between accumulation steps).
-    Returns the loss."""
+    With a `guard` (attnzoo.training.faults), a step whose loss or gradient norm is not finite leaves the weights and
+    the optimizer state as they were (the gradient norm is then computed even without clipping). Returns the loss."""
     with accelerator.accumulate(model):
         loss = compute_loss()
         accelerator.backward(loss)
-        if accelerator.sync_gradients and max_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
+        if guard is not None:
+            guard.watch_loss(loss)
+        if accelerator.sync_gradients and (max_grad_norm or (guard is not None and guard.needs_grad_norm)):
+            # max_norm=inf only measures: the gradients are multiplied by exactly 1
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+            if guard is not None:
+                guard.watch_grad_norm(grad_norm)
+        if guard is not None:
+            guard.optimizer_step(optimizer)
+        else:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
     return loss
 
 
-def log_and_checkpoint(accelerator: Accelerator, args, output_dir, step: int, record: dict) -> None:
-    """After an optimizer step: log the step's record (if any) and save a checkpoint every `checkpointing_steps`."""
+def log_and_checkpoint(accelerator: Accelerator, args, output_dir, step: int, record: dict, guard=None) -> None:
+    """After an optimizer step: log the step's record (if any) and save a checkpoint every `checkpointing_steps`.
+    With a `guard`, the record also counts skipped non-finite steps, a failed save is reported instead of ending the
+    run, and a stop signal or too many non-finite steps end the run here, after a checkpoint."""
+    checkpoint_now = bool(args.checkpointing_steps) and step % args.checkpointing_steps == 0
+    if guard is not None:
+        guard.after_step(step, record, checkpoint_now)
+        return
     if record:
         accelerator.log(record, step=step)
-    if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+    if checkpoint_now:
         save_checkpoint(accelerator, output_dir, step, args.checkpoints_total_limit)
 
 
@@ -229,3 +267,37 @@ def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, to
         tokenizer.save_pretrained(output_dir)
     accelerator.wait_for_everyone()
     return unwrapped
+
+
+@dataclass
+class PreparedRun:
+    """What `prepare_run` hands a script's training loop."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: DataLoader
+    scheduler: object
+    guard: TrainingGuard
+    start_step: int
+    max_steps: int
+    num_parameters: int
+
+
+def prepare_run(accelerator: Accelerator, args, model, loader: DataLoader, run_name: str,
+                optimizer: torch.optim.Optimizer | None = None) -> PreparedRun:
+    """The set-up every script shares between building its model and data and its loop: optimizer (AdamW unless
+    given), `accelerator.prepare`, the run's length (--max_train_steps, or epochs over the sharded loader; a
+    --num_warmup_epochs becomes warm-up steps here), the schedule, the fault guard (stop signals, non-finite steps,
+    failed saves), resuming, and the trackers."""
+    optimizer = optimizer or build_optimizer(model, args)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    max_steps = total_train_steps(args, len(loader))
+    if getattr(args, "num_warmup_epochs", 0):
+        per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
+        args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
+    scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
+    guard = TrainingGuard(accelerator, args, Path(args.output_dir))
+    start_step = resume_if_asked(accelerator, args, guard)
+    accelerator.init_trackers(run_name, {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
+    return PreparedRun(model, optimizer, loader, scheduler, guard, start_step, max_steps,
+                       sum(p.numel() for p in model.parameters()))

@@ -73,11 +73,11 @@ def bleu_scores(hypotheses: list[str], references: list[str]) -> dict[str, dict]
     """Corpus BLEU of detokenised hypotheses against one reference each, four ways, each with its signature:
 
     - "sacrebleu": the standard sacreBLEU (13a tokenisation, cased) on detokenised text;
-    - "sacrebleu_intl" / "sacrebleu_intl_uncased": tok:intl, cased / lower-cased: seed 001 Table 4's two sacreBLEU
-      columns (BLEU+case.{mixed,lc}+...+tok.intl);
-    - "tokenized_bleu": the "tokenised BLEU" of seed 001 Table 4 / seed 002 Table 4: text tokenised (sacreBLEU's 13a
-      tokeniser standing in for the Moses tokeniser), compounds split at hyphens (fairseq compound_split_bleu.sh),
-      then BLEU with no further tokenisation.
+    - "sacrebleu_intl" / "sacrebleu_intl_uncased": tok:intl, cased / lower-cased: the two sacreBLEU columns of the
+      Reformer paper's Table 4 (arXiv 2001.04451; BLEU+case.{mixed,lc}+...+tok.intl);
+    - "tokenized_bleu": the "tokenised BLEU" of Table 4 in arXiv 2001.04451 and in arXiv 2204.04667: text tokenised
+      (sacreBLEU's 13a tokeniser standing in for the Moses tokeniser), compounds split at hyphens (fairseq
+      compound_split_bleu.sh), then BLEU with no further tokenisation.
     """
     from sacrebleu.metrics import BLEU
     from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a

@@ -10,14 +10,17 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from attnzoo.training.data_checks import checked_json_files, read_utf8_text
+
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
 
-def default_corpus_path() -> Path:
-    """English text every CPython ships (the pydoc topic index, ~470 KB), so the quick-start needs no download."""
-    import pydoc_data
+def default_corpus_text() -> str:
+    """English text every CPython ships, so the quick start needs no download: the pydoc help topics (the language
+    reference's prose, ~460 KB), as plain text."""
+    from pydoc_data.topics import topics
 
-    return Path(pydoc_data.__path__[0]) / "topics.py"
+    return "\n\n".join(topics[name].strip() for name in sorted(topics)) + "\n"
 
 
 def _as_byte_tensor(raw: bytes) -> torch.Tensor:
@@ -25,7 +28,9 @@ def _as_byte_tensor(raw: bytes) -> torch.Tensor:
 
 
 def read_bytes(path: str | Path | None) -> torch.Tensor:
-    path = Path(path) if path is not None else default_corpus_path()
+    if path is None:
+        return _as_byte_tensor(default_corpus_text().encode("utf-8"))
+    path = Path(path)
     if not path.is_file():
         raise ValueError(f"--train_file {path} does not exist; pass a text file (or omit it for the default corpus).")
     data = _as_byte_tensor(path.read_bytes())
@@ -106,17 +111,31 @@ ByteBlocks = TokenBlocks  # the name the first version of train_lm.py used
 
 def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool) -> torch.Tensor:
     """Concatenate the rows of a `datasets` split into one token stream (documents separated by the tokenizer's
-    EOS, or a newline for the byte-level tokenizer), as run_clm's `group_texts` does before cutting blocks."""
+    EOS, or a newline for a byte-level tokenizer without one), as run_clm's `group_texts` does before cutting
+    blocks."""
     if text_column not in dataset.column_names:
         raise ValueError(f"the dataset has no column {text_column!r}; its columns are {dataset.column_names}. "
                          "Pass --text_column.")
-    if byte_level:
+    if byte_level and getattr(tokenizer, "eos_token_id", None) is None:  # no EOS (an older checkpoint's tokenizer)
         return _as_byte_tensor(b"\n".join(str(t).encode("utf-8") for t in dataset[text_column]))
+    if byte_level:
+        eos = torch.tensor([tokenizer.eos_token_id], dtype=torch.int32)
+        return torch.cat([part for t in dataset[text_column]
+                          for part in (_as_byte_tensor(str(t).encode("utf-8")).int(), eos)])
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     encoded = dataset.map(lambda rows: {"ids": [tokenizer(t, add_special_tokens=False).input_ids + separator
                                                 for t in rows[text_column]]},
                           batched=True, remove_columns=dataset.column_names, desc="tokenizing")
     return torch.tensor([i for ids in encoded["ids"] for i in ids], dtype=torch.int32)
+
+
+def text_row_problem(row: dict, text_column: str) -> str | None:
+    """What keeps a JSON row from holding text in `text_column` (None: nothing)."""
+    if text_column not in row:
+        return f"no '{text_column}' field (the row's fields: {sorted(row)}; pass --text_column)"
+    if not isinstance(row[text_column], str):
+        return f"'{text_column}' is a {type(row[text_column]).__name__}, not text"
+    return None
 
 
 def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +144,12 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
     the last --heldout_fraction of the training text."""
     from datasets import load_dataset
 
+    skip_bad = getattr(args, "skip_bad_examples", False)
+
     def encode_file(path):
         if byte_level:
             return read_bytes(path)
-        text = Path(path).read_text(encoding="utf-8")
+        text = default_corpus_text() if path is None else read_utf8_text(path, skip_bad)
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int32)
 
     train_file, validation_file = args.train_file, args.validation_file
@@ -140,7 +161,7 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{path} does not exist; pass a text file (or omit --train_file for the default "
                                  "corpus).")
-        train = encode_file(train_file) if train_file or byte_level else encode_file(default_corpus_path())
+        train = encode_file(train_file)
         if validation_file:
             return train, encode_file(validation_file)
         return split_bytes(train, args.heldout_fraction)
@@ -153,7 +174,12 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
         if missing:
             raise ValueError(f"{missing} not found; pass existing --train_file / --validation_file paths.")
         extension = Path(train_file).suffix.lower().lstrip(".")
-        raw = load_dataset({"jsonl": "json"}.get(extension, extension), data_files=files)
+        if extension in ("json", "jsonl"):
+            with checked_json_files(files, lambda row: text_row_problem(row, args.text_column), skip_bad,
+                                    "text row") as checked:
+                raw = load_dataset("json", data_files=checked)
+        else:
+            raw = load_dataset(extension, data_files=files)
     if "train" not in raw:
         raise ValueError(f"the dataset has splits {list(raw)}, no 'train' split.")
     train = tokenize_text_dataset(raw["train"], tokenizer, args.text_column, byte_level)

@@ -1,6 +1,6 @@
 """Parallel text for translation: WMT14 from `datasets` (`wmt/wmt14`, config `de-en`) or local JSON lines with the
 same schema ({"translation": {"de": ..., "en": ...}}), a shared byte-level BPE trained with `tokenizers` (about 32K
-merges-based tokens for WMT14, seed 002 §5.4), and the tokenised examples a seq2seq collator pads."""
+merges-based tokens for WMT14, arXiv 2204.04667 §5.4), and the tokenised examples a seq2seq collator pads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from attnzoo.training.data_checks import checked_json_files
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"  # ids 0, 1, 2, 3 in a trained tokenizer
 
@@ -27,7 +29,10 @@ def load_parallel_corpus(args):
         missing = [p for p in files.values() if not Path(p).is_file()]
         if missing:
             raise ValueError(f"{missing} not found; pass existing JSON lines files.")
-        raw = load_dataset("json", data_files=files)
+        src, tgt = args.source_lang, args.target_lang
+        with checked_json_files(files, lambda row: translation_row_problem(row, src, tgt),
+                                getattr(args, "skip_bad_examples", False), "translation pair") as checked:
+            raw = load_dataset("json", data_files=checked)
     for split in ("train", "validation"):
         if split not in raw:
             raise ValueError(f"the corpus has splits {list(raw)}; it needs 'train' and 'validation'.")
@@ -42,6 +47,20 @@ def load_parallel_corpus(args):
         if args.max_eval_samples and split in raw:
             raw[split] = raw[split].select(range(min(args.max_eval_samples, len(raw[split]))))
     return raw
+
+
+def translation_row_problem(row: dict, source_lang: str, target_lang: str) -> str | None:
+    """What keeps a JSON row from being a {"translation": {source: text, target: text}} pair (None: nothing)."""
+    pair = row.get("translation")
+    if not isinstance(pair, dict):
+        return f"no 'translation' object (the row's fields: {sorted(row)})"
+    for lang in (source_lang, target_lang):
+        if lang not in pair:
+            return (f"'translation' has no '{lang}' text (it has {sorted(pair)}; check --source_lang/"
+                    "--target_lang)")
+        if not isinstance(pair[lang], str):
+            return f"'translation'.'{lang}' is a {type(pair[lang]).__name__}, not text"
+    return None
 
 
 def train_shared_bpe(pairs, languages: tuple[str, str], vocab_size: int, min_frequency: int = 2,

@@ -1,6 +1,14 @@
 """Attention modules by name. Importing a module file registers it (see `base.py` for the contract)."""
 
-from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, ZooAttention, register_attention
+from attnzoo.modeling.attention.base import (
+    ATTENTION_REGISTRY,
+    DrawsPerForward,
+    InitialisesBuffers,
+    Recomputation,
+    ZooAttention,
+    build_attention,
+    register_attention,
+)
 from attnzoo.modeling.attention.favor import EluAttention, FavorAttention, KernelAttention
 from attnzoo.modeling.attention.lara import LinearRandomizedAttention
 from attnzoo.modeling.attention.local import LocalAttention
@@ -10,16 +18,20 @@ from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAtt
 
 __all__ = [
     "ATTENTION_REGISTRY",
+    "DrawsPerForward",
     "EluAttention",
     "FavorAttention",
+    "InitialisesBuffers",
     "KernelAttention",
     "LSHAttention",
     "LinearRandomizedAttention",
     "LocalAttention",
     "RandomizedAttention",
+    "Recomputation",
     "SoftmaxAttention",
     "SoftmaxCrossAttention",
     "ZooAttention",
+    "build_attention",
     "register_attention",
     "softmax_attention_reference",
 ]

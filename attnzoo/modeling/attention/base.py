@@ -1,34 +1,42 @@
-"""The contract every attention module follows, and the mask helper they share.
+"""The contract every attention module follows, the registry that names them, and the mask helpers they share.
 
 An attention module is built as `cls(config, layer_idx, causal)` and called as
 
-    out = attn(hidden_states,                      # [batch, query_len, hidden_size]
-               attention_mask=None,                # bool [batch, past_len + query_len], True = a real token
-               past_key_values=None,               # a transformers `Cache`; this layer's slot is `layer_idx`
-               replay=None,                        # dict: what a reversible backward must repeat (see below)
-               grid_size=None)                     # (rows, cols) of image patches, for 2-D aware attentions
+    out = attn(hidden_states,               # [batch, query_len, hidden_size]
+               attention_mask=None,         # bool [batch, past_len + query_len], True = a real token
+               past_key_values=None,        # a transformers `Cache`; this layer's slot is `layer_idx`
+               recompute=None)              # a `Recomputation` inside a reversible stack (see below)
 
 and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
 - `attention_mask` covers every key the query can see: cached ones first, then the current ones. Padded keys are
   never attended to; outputs at padded query positions are finite but meaningless.
 - `causal` modules let a query see only keys at or before its own position.
-- With a cache the module reads and extends `past_key_values.layers[layer_idx]`, which it created through
-  `new_cache_layer()` (a `transformers.cache_utils.CacheLayerMixin`), so `generate()` and beam search work.
+- With a cache the module reads and extends `past_key_values.layers[layer_idx]`, the slot it created with
+  `new_cache_layer()`. Cache slots only store (see `attnzoo/modeling/cache.py`); the module computes, so decoding
+  logic lives next to the forward it must equal.
 - Randomness (hash rotations, random features, samples) comes from explicit generators or the global RNG, never
-  from hidden state that differs between two calls with the same seed. In a reversible stack the backward pass
-  recomputes the forward after restoring the RNG state; a module whose forward state is expensive or must not
-  change (e.g. LSH buckets) records it in `replay` on the first call and reads it back on the recomputation.
-- Per-step decisions (e.g. redrawing random features) belong in `prepare()`, which the stack calls once per
-  forward pass; a recomputation in the backward pass does not call it again.
-- Each module keeps a plain, obviously-correct `reference_forward` with the same signature; tests compare the
-  fast path against it and against exact softmax attention.
+  from hidden state that differs between two calls with the same seed. In evaluation mode it comes from the
+  config's `eval_seed`, so evaluation is deterministic.
+- Each module keeps a plain, obviously-correct `reference_forward` with the same signature; tests compare the fast
+  path against it (values and gradients) and against exact softmax attention.
 
-A new attention is one file: subclass `ZooAttention`, decorate it with `@register_attention("name")`, and import the
-file from `attnzoo/modeling/attention/__init__.py`.
+Optional parts, each opted into by a module that needs it:
+- `recompute`: a reversible stack recomputes every block in its backward pass after restoring the RNG state. It
+  passes the same `Recomputation` to the forward pass (`replaying` False) and to its recomputation (`replaying`
+  True); a module stores in `saved` whatever must not change between the two (LSH's buckets), and may keep
+  intermediate results on the recomputation, whose backward follows at once.
+- `DrawsPerForward.start_forward()`: called once per forward pass of the whole model, before any block runs and
+  never on a recomputation, for per-step decisions (Performer's feature redraws).
+- `InitialisesBuffers.init_buffers()`: fills buffers a checkpoint did not provide (called from `_init_weights`).
+- `set_image_layout(grid_size, class_token)`: an image encoder declares its patch grid at construction.
+
+A new attention is one file: subclass `ZooAttention`, set `family_config` if it reads fields of a family config,
+decorate it with `@register_attention("name")`, and import the file from `attnzoo/modeling/attention/__init__.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -50,14 +58,34 @@ def register_attention(name: str):
     return add
 
 
+def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name: str = "attn_layers"):
+    """The attention module of one layer, with a ValueError naming `field_name` for an unknown kind or a config
+    class that lacks the kind's fields."""
+    if kind not in ATTENTION_REGISTRY:
+        raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: unknown attention "
+                         f"{kind!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.")
+    cls = ATTENTION_REGISTRY[kind]
+    if cls.family_config not in {c.__name__ for c in type(config).__mro__}:
+        raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: attention {kind!r} reads "
+                         f"the fields of attnzoo.{cls.family_config}; build the model with that config class.")
+    return cls(config, layer_idx, causal)
+
+
+@dataclass
+class Recomputation:
+    """What a reversible stack hands an attention for one block of one forward pass: `replaying` is False on the
+    forward pass and True on the backward pass's recomputation; `saved` holds what the module recorded for it."""
+
+    replaying: bool = False
+    saved: dict = field(default_factory=dict)
+
+
 class ZooAttention(nn.Module):
     """Base class of self-attention modules. Subclasses implement `forward`, `reference_forward` and, when they
     support incremental decoding, `new_cache_layer`."""
 
     name: ClassVar[str] = ""
-    #: config fields the module reads beyond `ZooConfig`'s; a config without them is rejected with a ValueError.
-    required_config_fields: ClassVar[tuple[str, ...]] = ()
-    #: the config class that carries those fields, named in that error message.
+    #: the config class (by name) whose fields the module reads; a model built with another config is refused.
     family_config: ClassVar[str] = "ZooConfig"
 
     def __init__(self, config, layer_idx: int, causal: bool):
@@ -75,23 +103,18 @@ class ZooAttention(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(self, name, nn.Linear(self.hidden_size, self.hidden_size, bias=bias))
 
-    @classmethod
-    def check_config(cls, config) -> None:
-        """Raise ValueError for config values this attention cannot use. Called by the config's validation."""
-
-    def prepare(self) -> None:
-        """Called once per forward pass of the whole stack, before any block runs (never on a recomputation in
-        a reversible or checkpointed backward): the place for per-step decisions such as redrawing random
-        features, so that recomputations see the same state."""
-
-    def init_buffers(self) -> None:
-        """Fill the module's buffers (e.g. a saved random projection). Called from the model's `_init_weights`,
-        also on the meta device, for modules whose buffers a checkpoint did not provide: use
-        `transformers.initialization` functions, which leave loaded tensors alone."""
+    def set_image_layout(self, grid_size: tuple[int, int], class_token: bool) -> None:
+        """Called when the module is built into an image encoder whose tokens are a `grid_size` patch grid (after a
+        class token when `class_token`): a module that uses the 2-D layout keeps it, and one whose settings cannot
+        work there raises ValueError now rather than at the first forward."""
 
     def new_cache_layer(self):
         """The `CacheLayerMixin` that holds this layer's decoding state."""
         raise NotImplementedError(f"attention {self.name!r} does not support incremental decoding")
+
+    def cache_slot(self, past_key_values):
+        """This layer's slot of a cache, or None without one."""
+        return past_key_values.layers[self.layer_idx] if past_key_values is not None else None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -100,6 +123,24 @@ class ZooAttention(nn.Module):
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+
+
+class DrawsPerForward:
+    """Mixin for attentions that make one random decision per forward pass of the whole model (e.g. redrawing
+    random features): the Transformer calls `start_forward()` once before its blocks run, never on a recomputation
+    (reversible or checkpointed backward), so recomputations see the same draws."""
+
+    def start_forward(self) -> None:
+        raise NotImplementedError
+
+
+class InitialisesBuffers:
+    """Mixin for attentions with buffers that weight initialisation must fill (e.g. a saved random projection):
+    `_init_weights` calls `init_buffers()`, also on the meta device, for modules a checkpoint did not fill; use
+    `transformers.initialization` functions, which leave loaded tensors alone."""
+
+    def init_buffers(self) -> None:
+        raise NotImplementedError
 
 
 def check_attention_mask(attention_mask: torch.Tensor | None, batch: int, key_len: int) -> torch.Tensor | None:

@@ -1,8 +1,10 @@
-"""Kernelised linear attention: Performer's FAVOR+ (positive or hyperbolic random features) and the deterministic
-elu+1 map of "Transformers are RNNs" (seed 003). Spec: shared/spec/random_feature_attention.md §1.
+"""Kernelised linear attention: Performer's FAVOR+ (positive or hyperbolic random features; "Rethinking Attention with
+Performers", arXiv 2009.14794) and the deterministic elu+1 map ("Transformers are RNNs", arXiv 2006.16236).
 
-Bidirectional attention uses the linear form, causal attention the chunked form, decoding the recurrent form with
-a `RecurrentStateLayer` holding (S, z, key constant): every new token costs the same whatever the context length.
+Bidirectional attention uses the linear form. Causal attention stabilises keys by their running maximum and runs
+the exact decayed causal form (`attnzoo.ops.decayed_linear_attention`: chunked PyTorch on the CPU, fused Triton
+kernels on CUDA); decoding runs its recurrent form from a `RecurrentStateLayer` holding (S, z, running max): every new
+token costs the same whatever the context length.
 """
 
 from __future__ import annotations
@@ -10,37 +12,40 @@ from __future__ import annotations
 import torch
 from transformers import initialization as init
 
-from attnzoo.configuration.base import check_int
-from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import (
+    DrawsPerForward,
+    InitialisesBuffers,
+    ZooAttention,
+    check_attention_mask,
+    register_attention,
+)
 from attnzoo.modeling.attention.random_features import (
     elu_features,
     gaussian_projection,
     linear_attention_bidirectional,
-    linear_attention_causal,
     linear_attention_reference,
-    linear_attention_step,
     log_positive_features,
+    running_max_key_features,
     stabilised_key_features,
     stabilised_query_features,
 )
 from attnzoo.modeling.cache import RecurrentStateLayer
-
-REDRAW_POLICIES = ("every_step", "interval", "fixed")
-FEATURE_MAPS = ("positive", "hyperbolic")
+from attnzoo.ops.decayed_linear_attention import decayed_linear_attention, decayed_linear_attention_step
 
 
 class KernelAttention(ZooAttention):
-    """Linear attention over positive features given in log space by `log_features(x)` [B, H, N, r]."""
+    """Linear attention over positive features given in log space by `log_features(x, cache_slot)`."""
 
     family_config = "ZooPerformerConfig"
-    required_config_fields = ("linear_attention_chunk_size",)
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
         self.build_projections()
         self.chunk_size = config.linear_attention_chunk_size
 
-    def log_features(self, x: torch.Tensor) -> torch.Tensor:
+    def log_features(self, x: torch.Tensor, layer: RecurrentStateLayer | None = None) -> torch.Tensor:
+        """Log-features [B, H, N, r] of x [B, H, N, d]; `layer` is the decoding cache slot, when decoding (a
+        random-feature map keeps its projection there, so a whole generation uses one)."""
         raise NotImplementedError
 
     def new_cache_layer(self):
@@ -51,10 +56,10 @@ class KernelAttention(ZooAttention):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         return (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape
-        layer = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+        layer = self.cache_slot(past_key_values)
         if layer is not None and not self.causal:
             raise ValueError("a cache is only used by causal (decoder) attention.")
         past = layer.get_seq_length() if layer is not None else 0
@@ -62,43 +67,30 @@ class KernelAttention(ZooAttention):
         key_mask = key_mask[:, past:] if key_mask is not None else None
         phi_q = stabilised_query_features(self.log_features(q, layer))
         log_phi_k = self.log_features(k, layer)
-        if layer is None:
+        if not self.causal:
             phi_k, _ = stabilised_key_features(log_phi_k, key_mask)
-            if self.causal:
-                out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size)
-            else:
-                out = linear_attention_bidirectional(phi_q, phi_k, v)
+            out = linear_attention_bidirectional(phi_q, phi_k, v)
         else:
-            out = self._decode(phi_q, log_phi_k, v, key_mask, layer)
+            out = self._causal(phi_q, log_phi_k, v, key_mask, layer)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def _decode(self, phi_q, log_phi_k, v, key_mask, layer: RecurrentStateLayer):
-        """Causal attention from a recurrent state: the key constant is a running max; when it grows, the state is
-        rescaled, so outputs equal the parallel form's."""
-        if key_mask is not None:
-            log_phi_k = log_phi_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
-        new_max = log_phi_k.amax(dim=(-2, -1), keepdim=True)
-        if layer.state:
-            s, z, c_old = layer.state["s"], layer.state["z"], layer.state["c"]
-            c = torch.maximum(c_old, new_max)
-            scale = torch.exp(c_old - c)
-            s, z = s * scale, z * scale[..., 0]
-        else:
-            c = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            s = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1], v.shape[-1])
-            z = phi_q.new_zeros(*phi_q.shape[:2], log_phi_k.shape[-1])
-        phi_k = torch.exp(log_phi_k - c)
-        if phi_q.shape[2] == 1:
-            out, (s, z) = linear_attention_step(phi_q, phi_k, v, (s, z))
-        else:  # a multi-token prefill: the chunked form, then fold the new keys into the state
-            out = linear_attention_causal(phi_q, phi_k, v, self.chunk_size, state=(s, z))
-            s = s + torch.einsum("bhnr,bhne->bhre", phi_k, v)
-            z = z + phi_k.sum(2)
-        layer.store(phi_q.shape[2], s=s, z=z, c=c)
+    def _causal(self, phi_q, log_phi_k, v, key_mask, layer: RecurrentStateLayer | None):
+        """Causal linear attention with keys stabilised by their running maximum: the chunked parallel form (fused on
+        CUDA), or, with a cache slot, the recurrent form continuing from its state (S, z, M) and storing the new
+        state. Both compute the same function; no output depends on a later token."""
+        state = (layer.state["s"], layer.state["z"], layer.state["m"]) if layer is not None and layer.state else None
+        phi_k, running_max = running_max_key_features(log_phi_k, key_mask, None if state is None else state[2])
+        if layer is None:
+            return decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size)
+        if phi_q.shape[2] == 1 and state is not None:
+            out, (s, z, m) = decayed_linear_attention_step(phi_q, phi_k, v, running_max, state)
+        else:  # a prefill, or several tokens at once over a cache
+            out, (s, z, m) = decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size,
+                                                      initial_state=state, return_state=True)
+        layer.store(phi_q.shape[2], s=s, z=z, m=m)
         return out
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,
-                          grid_size=None):
+    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
         """The masked quadratic form over the same features (no cache)."""
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape
@@ -115,7 +107,7 @@ class KernelAttention(ZooAttention):
 
 
 @register_attention("favor")
-class FavorAttention(KernelAttention):
+class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
     """Performer's FAVOR+: exp(q̂·k̂) estimated with positive (or hyperbolic) random features.
 
     Projection policy (`feature_redraw`): "every_step" draws new features for every training forward (the RA/LARA
@@ -123,10 +115,6 @@ class FavorAttention(KernelAttention):
     never. Evaluation always uses `eval_projection`, a persistent buffer saved with the checkpoint, so a reloaded
     model gives identical outputs. Features are drawn per head, shared across the batch.
     """
-
-    required_config_fields = KernelAttention.required_config_fields + (
-        "num_random_features", "feature_map", "orthogonal_features", "feature_norm", "feature_redraw",
-        "feature_redraw_interval")
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
@@ -142,8 +130,8 @@ class FavorAttention(KernelAttention):
         if self.redraw == "interval":
             self.register_buffer("train_projection", torch.empty(shape), persistent=True)
             self.register_buffer("redraw_counter", torch.zeros((), dtype=torch.long), persistent=True)
-        self._current_projection = None
-        self._calls = None  # a host copy of redraw_counter, so prepare() never waits for the device
+        self._step_projection = None  # this training step's draw ("every_step"), set by start_forward()
+        self._calls = None  # a host copy of redraw_counter, so start_forward() never waits for the device
 
     def init_buffers(self) -> None:
         init.copy_(self.eval_projection, self.draw_projection(self.eval_projection.device))
@@ -156,26 +144,17 @@ class FavorAttention(KernelAttention):
         super()._load_from_state_dict(*args, **kwargs)
         self._calls = None  # re-read the loaded counter (e.g. after accelerator.load_state)
 
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"feature_map={config.feature_map!r} is invalid: use one of {FEATURE_MAPS}.")
-        if config.feature_redraw not in REDRAW_POLICIES:
-            raise ValueError(f"feature_redraw={config.feature_redraw!r} is invalid: use one of {REDRAW_POLICIES}.")
-        if config.feature_norm not in ("chi", "sqrt_d"):
-            raise ValueError(f"feature_norm={config.feature_norm!r} is invalid: use 'chi' or 'sqrt_d'.")
-        for name in ("num_random_features", "feature_redraw_interval"):
-            check_int(config, name, 1, "set a positive integer.")
-
     def draw_projection(self, device=None) -> torch.Tensor:
         return gaussian_projection((self.num_heads, self.num_features), self.head_dim, orthogonal=self.orthogonal,
                                    norm=self.norm, device=device)
 
-    def prepare(self) -> None:
+    def start_forward(self) -> None:
+        """The training projection of this forward pass: a new draw ("every_step"), the interval's draw
+        ("interval"), or none ("fixed" and evaluation use `eval_projection`)."""
         if not self.training or self.redraw == "fixed":
-            self._current_projection = self.eval_projection
-        elif self.redraw == "every_step":
-            self._current_projection = self.draw_projection(self.eval_projection.device)
+            return
+        if self.redraw == "every_step":
+            self._step_projection = self.draw_projection(self.eval_projection.device)
         else:
             if self._calls is None:
                 self._calls = int(self.redraw_counter)  # once after construction or loading
@@ -183,12 +162,19 @@ class FavorAttention(KernelAttention):
                 self.train_projection.copy_(self.draw_projection(self.train_projection.device))
             self._calls += 1
             self.redraw_counter.fill_(self._calls)
-            self._current_projection = self.train_projection
 
     def projection(self, layer: RecurrentStateLayer | None) -> torch.Tensor:
         if layer is not None and "projection" in layer.shared:  # one projection for a whole generation
             return layer.shared["projection"]
-        projection = self._current_projection if self._current_projection is not None else self.eval_projection
+        if not self.training or self.redraw == "fixed":
+            projection = self.eval_projection
+        elif self.redraw == "interval":
+            projection = self.train_projection
+        elif self._step_projection is not None:
+            projection = self._step_projection
+        else:
+            raise RuntimeError("a training forward of an 'every_step' FAVOR layer needs start_forward() first; the "
+                               "model's Transformer calls it, so call the model rather than the layer alone.")
         if layer is not None:
             layer.shared["projection"] = projection
         return projection
@@ -199,15 +185,7 @@ class FavorAttention(KernelAttention):
 
 @register_attention("elu")
 class EluAttention(KernelAttention):
-    """Linear attention with the deterministic feature map elu(x) + 1 (Katharopoulos et al., 2020; seed 003)."""
-
-    required_config_fields = KernelAttention.required_config_fields + ("elu_alpha",)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if not 0.0 < config.elu_alpha <= 1.0:
-            raise ValueError(f"elu_alpha={config.elu_alpha} is invalid: elu(x) + 1 stays positive only for "
-                             "0 < alpha <= 1.")
+    """Linear attention with the deterministic feature map elu(x) + 1 (Katharopoulos et al., arXiv 2006.16236)."""
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)

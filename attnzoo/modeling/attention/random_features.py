@@ -1,17 +1,17 @@
 """Random-feature machinery shared by Performer (FAVOR+), elu+1 linear attention, RA and LARA.
 
-Spec: shared/spec/random_feature_attention.md §1 (notation: q̂ = d^{-1/4} q, so q̂·k̂ = q·k/√d).
+Notation (docs/random_feature_attention.md): q̂ = d^{-1/4} q, so q̂·k̂ = q·k/√d.
 
-- Projections: rows marginally N(0, I_d), i.i.d. or block-orthogonal with the QR sign fix (unbiased, §1.2 step 4).
+- Projections: rows marginally N(0, I_d), i.i.d. or block-orthogonal with the QR sign fix (unbiased).
 - Log-features: ℓ(x, w) = w·x̂ − ‖x̂‖²/2, so exp(ℓ) is Performer's positive map before the 1/√m factor.
-- Linear attention in three exact forms over non-negative features φ_Q, φ_K (§1.1): bidirectional, causal chunked
-  (never builds an [N, features, d_v] tensor) and recurrent (state S, z), plus the masked quadratic reference.
+- Linear attention over non-negative features φ_Q, φ_K: the bidirectional form and the masked quadratic reference
+  (the causal forms, chunked and recurrent, are `attnzoo.ops.decayed_linear_attention`).
 
-Stabilisation: a per-query max over features and one constant shared by all keys of a sequence (per batch element
-and head) are subtracted from the log-features. Both cancel exactly between numerator and denominator because no
-ε is added to the features (spec §1.2, option (a)), so the shared key constant does not leak the future; decoding
-keeps a running max and rescales its state (option (b)), which gives the same outputs. The constants are detached.
-Everything is computed in float32 or wider.
+Stabilisation (docs/random_feature_attention.md, section 2): a per-query max over features is subtracted from the
+query log-features; keys get one constant per sequence and head in bidirectional attention and their running
+maximum in causal attention, so no output depends on a later token. The constants are detached and cancel exactly
+between numerator and denominator, because no ε is added to the features. Everything is computed in float32 or
+wider.
 """
 
 from __future__ import annotations
@@ -81,6 +81,29 @@ def stabilised_key_features(log_phi_k: torch.Tensor, key_mask: torch.Tensor | No
     return torch.exp(log_phi_k - c), c
 
 
+#: running maximum of positions that have seen no real key yet (their key features are all 0): any finite value
+#: works, and a very low one makes the decay from there to the first real key exactly 0.
+NO_KEY_LEVEL = -1e30
+
+
+def running_max_key_features(log_phi_k: torch.Tensor, key_mask: torch.Tensor | None,
+                             start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal key features: (exp(ℓ_s − M_s) with padded keys zeroed, M) where M_s [B, H, N] is the running maximum of
+    the log-features of the keys up to s (and of `start` [B, H], the level of keys before these, when decoding).
+
+    Unlike one constant over the whole sequence, M_s depends on earlier keys only, so no output can depend on later
+    tokens, also through rounding, and every factor stays at most 1 (docs/random_feature_attention.md, section 2).
+    M is detached: it cancels between numerator and denominator."""
+    if key_mask is not None:
+        log_phi_k = log_phi_k.masked_fill(~key_mask[:, None, :, None], float("-inf"))
+    level = log_phi_k.detach().amax(dim=-1)
+    if start is not None:
+        level = torch.cat([start.detach().unsqueeze(-1), level], dim=-1)
+    level = torch.cummax(level, dim=-1).values[..., -log_phi_k.shape[2]:]
+    level = torch.where(torch.isfinite(level), level, torch.full_like(level, NO_KEY_LEVEL))
+    return torch.exp(log_phi_k - level.unsqueeze(-1)), level
+
+
 def elu_features(x: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
     """elu(x) + 1 (Katharopoulos et al.): x + 1 for x > 0, 1 + α(eˣ − 1) otherwise; positive for α ≤ 1."""
     return torch.nn.functional.elu(x, alpha=alpha) + 1.0
@@ -98,52 +121,6 @@ def linear_attention_bidirectional(phi_q: torch.Tensor, phi_k: torch.Tensor, v: 
     return _ratio(torch.einsum("bhnr,bhre->bhne", phi_q, kv), torch.einsum("bhnr,bhr->bhn", phi_q, phi_k.sum(2)))
 
 
-def linear_attention_causal(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, chunk_size: int,
-                            state: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Causal linear attention in chunks of `chunk_size` (any N): each query sees the state of all earlier chunks
-    (an exclusive cumulative sum of per-chunk Φ_Kᵀ V) plus the keys at or before it in its own chunk.
-
-    Memory is O(N·chunk + (N/chunk)·r·d_v); no [N, r, d_v] tensor is built. `state` = (S, z) of keys that come
-    before these queries (a decoding prefix), already expressed with the same key constant.
-    """
-    batch, heads, n, r = phi_q.shape
-    pad = (-n) % chunk_size
-    if pad:
-        phi_q, phi_k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v))
-    chunks = (n + pad) // chunk_size
-    fq = phi_q.view(batch, heads, chunks, chunk_size, r)
-    fk = phi_k.view(batch, heads, chunks, chunk_size, r)
-    vv = v.view(batch, heads, chunks, chunk_size, -1)
-    kv = torch.einsum("bhclr,bhcle->bhcre", fk, vv)
-    k_sum = fk.sum(3)
-    kv_before = kv.cumsum(2) - kv  # exclusive: the chunks strictly before
-    k_before = k_sum.cumsum(2) - k_sum
-    if state is not None:
-        kv_before = kv_before + state[0].unsqueeze(2)
-        k_before = k_before + state[1].unsqueeze(2)
-    scores = torch.einsum("bhclr,bhcmr->bhclm", fq, fk).tril()
-    num = torch.einsum("bhclr,bhcre->bhcle", fq, kv_before) + torch.einsum("bhclm,bhcme->bhcle", scores, vv)
-    den = torch.einsum("bhclr,bhcr->bhcl", fq, k_before) + scores.sum(-1)
-    out = _ratio(num, den).reshape(batch, heads, chunks * chunk_size, -1)
-    return out[:, :, :n]
-
-
-def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                          state: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, tuple]:
-    """One recurrent step per query position, in order: S ← S + φ_K vᵀ, z ← z + φ_K, out = φ_Qᵀ S / φ_Qᵀ z.
-    Used for decoding; shapes [B, H, T, r] with T small (usually 1). Returns (out, new state)."""
-    s, z = state
-    if phi_q.shape[2] == 1:  # the usual decoding step: a rank-1 update, no [T, r, d_v] intermediate
-        s = s + phi_k[:, :, 0, :, None] * v[:, :, 0, None, :]
-        z = z + phi_k[:, :, 0]
-        num = (phi_q[:, :, 0, :, None] * s).sum(2)
-        return _ratio(num, (phi_q[:, :, 0] * z).sum(-1)).unsqueeze(2), (s, z)
-    kv = torch.einsum("bhtr,bhte->bhtre", phi_k, v).cumsum(2) + s.unsqueeze(2)
-    k_sum = phi_k.cumsum(2) + z.unsqueeze(2)
-    out = _ratio(torch.einsum("bhtr,bhtre->bhte", phi_q, kv), torch.einsum("bhtr,bhtr->bht", phi_q, k_sum))
-    return out, (kv[:, :, -1], k_sum[:, :, -1])
-
-
 def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                                allowed: torch.Tensor | None) -> torch.Tensor:
     """The masked quadratic form: A = Φ_Q Φ_Kᵀ ⊙ allowed, out = diag(A 1)⁻¹ A V."""
@@ -156,7 +133,7 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
 # -- sampling noise and SNIS (RA / LARA) --------------------------------------------------------------------
 def sample_noise_std(setting, head_dim: int) -> float:
     """σ of the sampling noise in pre-scaled coordinates: "paper" = 1 (exactly unbiased RA), "official" = d^(-1/4)
-    (what the official code's unscaled noise amounts to; spec §5.1), or a number."""
+    (what the official code's unscaled noise amounts to), or a number."""
     if setting == "paper":
         return 1.0
     if setting == "official":
@@ -172,7 +149,8 @@ def log_features_at(x_hat: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
 
 def snis_attention(log_feat_q: torch.Tensor, log_feat_k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
                    log_proposal: torch.Tensor) -> torch.Tensor:
-    """Self-normalised (multiple) importance sampling attention, the core of RA and LARA (spec §2, §4.1, §4.6).
+    """Self-normalised (multiple) importance sampling attention, the core of RA and LARA
+    (docs/random_feature_attention.md, sections 3 and 4).
 
     For samples ω_c: out_n = Σ_c w_nc f(ω_c), f(ω_c) = Σ_m softmax_m(ℓ(k̂_m, ω_c)) v_m and
     w_n = softmax_c(log α_nc + ℓ(q̂_n, ω_c) + LSE_m ℓ(k̂_m, ω_c) − log q̃_c(ω_c)).

@@ -1,12 +1,14 @@
-"""Randomized Attention (RA; Zheng et al., ICML 2022 = seed 002 §3; spec §3).
+"""Randomized Attention (RA; "Linear Complexity Randomized Self-attention Mechanism", Zheng, Wang and Kong, ICML
+2022, arXiv 2204.04667, §3; the estimator is written out in docs/random_feature_attention.md).
 
 Softmax attention is the expectation of f_n(ω) = Σ_m softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m under the Gaussian mixture
 p_n(ω) = Σ_m π_nm N(ω; q̂_n + k̂_m, I). RA samples ω from p_n exactly (a categorical index without gradient, then a
 reparameterised Gaussian) and averages f over `ra_num_samples` draws: unbiased with σ = 1 ("paper" noise).
 The biased variant (Eq. 31) replaces the index by its mean, ω_n = q̂_n + Σ_m π_nm k̂_m (+ noise), so gradients flow
-through π. At evaluation the noise is dropped; the unbiased variant still samples the index (spec §3.1, §5.7), the
-biased one is deterministic. Causal and padding masks restrict both π and f (the official code ignores padding).
-Cost is quadratic, like softmax; decoding uses a KV cache.
+through π. At evaluation the noise is dropped; the unbiased variant still samples the index (as the official code
+does), from uniforms that are a function of the seed `eval_seed` and the positions (so evaluation is deterministic
+and cached decoding equals the full forward); the biased one is deterministic. Causal and padding masks restrict both
+π and f (the official code ignores padding). Cost is quadratic, like softmax; decoding uses a KV cache.
 """
 
 from __future__ import annotations
@@ -14,29 +16,56 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from attnzoo.configuration.base import check_int
 from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
 from attnzoo.modeling.attention.random_features import sample_noise_std
 
-RA_VARIANTS = ("unbiased", "biased")
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """(x * constant) mod 2**32 for int64 x in [0, 2**32), in two 16-bit halves so no int64 product overflows."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
 
-def sample_index(scores: torch.Tensor, num_samples: int) -> torch.Tensor:
-    """[..., num_samples] indices drawn from softmax(scores) over the last axis (Gumbel-max; no gradient)."""
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (the "lowbias32" mixer), elementwise on int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors), each a
+    function of (seed, counters) alone: the same element gets the same number whatever else is in the tensor. Used
+    for draws that must not depend on the batch, the sequence length or a cache (evaluation-mode sampling)."""
+    state = _hash32(torch.tensor(seed & 0xFFFFFFFF, dtype=torch.int64, device=counters[0].device))
+    for counter in counters:
+        state = _hash32(state ^ (counter.to(torch.int64) & 0xFFFFFFFF))
+    return (state.double() + 0.5) / 4294967296.0
+
+
+def sample_index(scores: torch.Tensor, num_samples: int, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., num_samples] indices drawn from softmax(scores) over the last axis (Gumbel-max; no gradient), from
+    `uniform` [..., num_samples, keys] when given, else from the global RNG."""
     with torch.no_grad():
-        uniform = torch.rand(*scores.shape[:-1], num_samples, scores.shape[-1], device=scores.device,
-                             dtype=scores.dtype)
-        return (scores.unsqueeze(-2) - torch.log(-torch.log(uniform))).argmax(-1)
+        if uniform is None:
+            uniform = torch.rand(*scores.shape[:-1], num_samples, scores.shape[-1], device=scores.device,
+                                 dtype=scores.dtype)
+        gumbel = -torch.log(-torch.log(uniform))
+        return (scores.unsqueeze(-2) + gumbel.to(scores.dtype)).argmax(-1)
 
 
-def sample_omega(q_hat, k_hat, allowed, variant: str, num_samples: int, noise_std: float) -> torch.Tensor:
+def sample_omega(q_hat, k_hat, allowed, variant: str, num_samples: int, noise_std: float,
+                 index_uniform: torch.Tensor | None = None) -> torch.Tensor:
     """ω [B, H, N, S, d] for pre-scaled q̂, k̂ [B, H, N|M, d]: exact draws from p_n (unbiased: q̂_n + k̂_m* with
-    m* ~ π_n, then noise) or from its moment-matched Gaussian (biased: q̂_n + Σ_m π_nm k̂_m, then noise)."""
+    m* ~ π_n, then noise) or from its moment-matched Gaussian (biased: q̂_n + Σ_m π_nm k̂_m, then noise).
+    `index_uniform` [B|1, H, N, S, M]: the uniforms of the index draw (default: the global RNG)."""
     scores = q_hat @ k_hat.transpose(-1, -2)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     if variant == "unbiased":
-        index = sample_index(scores, num_samples)  # the index carries no gradient, as in the paper
+        index = sample_index(scores, num_samples, index_uniform)  # no gradient through the index, as in the paper
         batch, heads, queries, samples = index.shape
         # Gather along the key axis with a flat index: O(N·S·d), never an [N, M, d] expansion (nor its gradient).
         flat = index.reshape(batch, heads, queries * samples, 1).expand(-1, -1, -1, k_hat.shape[-1])
@@ -63,19 +92,9 @@ def randomized_aggregate(omega, k_hat, v, allowed) -> torch.Tensor:
     return (weights @ v).view(batch, heads, queries, samples, -1).mean(3)
 
 
-def check_noise_setting(config) -> None:
-    value = config.sample_noise_std
-    if value in ("paper", "official"):
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"sample_noise_std={value!r} is invalid: use 'paper' (1.0), 'official' (d**-0.25) or a "
-                         "non-negative number.")
-
-
 @register_attention("ra")
 class RandomizedAttention(ZooAttention):
     family_config = "ZooRAConfig"
-    required_config_fields = ("ra_variant", "ra_num_samples", "sample_noise_std")
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
@@ -83,13 +102,7 @@ class RandomizedAttention(ZooAttention):
         self.variant = config.ra_variant
         self.num_samples = config.ra_num_samples
         self.noise_std = sample_noise_std(config.sample_noise_std, self.head_dim)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if config.ra_variant not in RA_VARIANTS:
-            raise ValueError(f"ra_variant={config.ra_variant!r} is invalid: use one of {RA_VARIANTS}.")
-        check_int(config, "ra_num_samples", 1, "set a positive integer.")
-        check_noise_setting(config)
+        self.eval_seed = config.eval_seed
 
     def new_cache_layer(self):
         return DynamicLayer()
@@ -102,23 +115,40 @@ class RandomizedAttention(ZooAttention):
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         scale = self.head_dim ** -0.25
-        return q.to(compute) * scale, k.to(compute) * scale, v.to(compute), allowed
+        return q.to(compute) * scale, k.to(compute) * scale, v.to(compute), allowed, key_mask
 
-    def sample_omega(self, q_hat, k_hat, allowed) -> torch.Tensor:
+    def index_uniform(self, key_mask, batch: int, queries: int, keys: int, device) -> torch.Tensor | None:
+        """Evaluation draws of the sampled index: uniforms that are a function of (eval_seed, layer, head, query
+        position, sample, key position), positions counting real tokens only, so outputs do not depend on the call,
+        the batch, left padding or a cache (cached decoding equals the full forward). None in training or with
+        `eval_seed=None` (the global RNG)."""
+        if self.training or self.eval_seed is None or self.variant != "unbiased":
+            return None
+        if key_mask is None:
+            positions = torch.arange(keys, device=device)[None]
+        else:
+            positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
+        heads = torch.arange(self.num_heads, device=device)[None, :, None, None, None]
+        samples = torch.arange(self.num_samples, device=device)[None, None, None, :, None]
+        query_positions = positions[:, -queries:][:, None, :, None, None]
+        key_positions = positions[:, None, None, None, :]
+        return counter_uniform(self.eval_seed + self.layer_idx, heads, query_positions, samples, key_positions)
+
+    def sample_omega(self, q_hat, k_hat, allowed, key_mask) -> torch.Tensor:
+        uniform = self.index_uniform(key_mask, q_hat.shape[0], q_hat.shape[2], k_hat.shape[2], q_hat.device)
         return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
-                            self.noise_std if self.training else 0.0)
+                            self.noise_std if self.training else 0.0, uniform)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None, grid_size=None):
-        q_hat, k_hat, v, allowed = self._inputs(hidden_states, attention_mask, past_key_values)
-        out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed), k_hat, v, allowed)
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, past_key_values)
+        out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, replay=None,
-                          grid_size=None):
+    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
         """The same draws, with f written as the ratio of the mixture's densities, query factor included:
         f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
-        q_hat, k_hat, v, allowed = self._inputs(hidden_states, attention_mask, past_key_values)
-        omega = self.sample_omega(q_hat, k_hat, allowed)
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, past_key_values)
+        omega = self.sample_omega(q_hat, k_hat, allowed, key_mask)
         xi_q = torch.exp((omega * q_hat.unsqueeze(3)).sum(-1) - 0.5 * (q_hat * q_hat).sum(-1, keepdim=True))
         xi_k = torch.exp(torch.einsum("bhnsd,bhmd->bhnsm", omega, k_hat) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None,
                                                                                                          None])

@@ -1,12 +1,14 @@
-"""RA and LARA properties (spec shared/spec/random_feature_attention.md §7, items 8-16; causal LARA §8.3)."""
+"""Linear randomized attention: how it relates to RA and Performer, consistency, its weights, the two written forms
+(values and gradients), landmarks, padding, determinism, and this project's causal LARA (parallel = quadratic
+reference = recurrent decoding, no future leak)."""
 
 import math
 
 import pytest
 import torch
 
-from attnzoo import ZooLARAConfig, ZooLARAForCausalLM, ZooRAConfig
-from attnzoo.modeling.attention import LinearRandomizedAttention, RandomizedAttention, softmax_attention_reference
+from attnzoo import ZooLARAConfig, ZooLARAForCausalLM
+from attnzoo.modeling.attention import LinearRandomizedAttention, softmax_attention_reference
 from attnzoo.modeling.attention.base import allowed_keys
 from attnzoo.modeling.attention.lara import segment_assignment
 from attnzoo.modeling.attention.random_features import (
@@ -14,8 +16,9 @@ from attnzoo.modeling.attention.random_features import (
     log_features_at,
     snis_attention,
 )
-from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_index, sample_omega
+from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_omega
 from attnzoo.modeling.cache import ZooCache
+from tests.attention.helpers import assert_same_values_and_gradients
 
 D = 8
 
@@ -31,90 +34,7 @@ def mc_check(samples_mean, samples_std, count, exact, sigmas=4.0):
     return z.max()
 
 
-# -- 8. RA is unbiased with the paper's noise -----------------------------------------------------------------
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "padded"])
-def test_ra_is_unbiased_with_paper_noise(mask_kind):
-    torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
-    key_mask = torch.ones(1, 12, dtype=torch.bool)
-    if mask_kind == "padded":
-        key_mask[0, 9:] = False
-    allowed = allowed_keys(key_mask if mask_kind == "padded" else None, 12, 12, mask_kind == "causal", "cpu")
-    exact = softmax_attention_reference(q_hat * D ** 0.25, k_hat * D ** 0.25, v, allowed)
-    draws = 40000
-    omega = sample_omega(q_hat, k_hat, allowed, "unbiased", draws, noise_std=1.0)
-    logits = omega @ k_hat.unsqueeze(2).transpose(-1, -2) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :]
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed.unsqueeze(3), float("-inf"))
-    per_draw = logits.softmax(-1) @ v.unsqueeze(2)  # [1, 1, N, S, d_v]
-    z = mc_check(per_draw.mean(3), per_draw.std(3), draws, exact)
-    assert z < 4.5, f"largest deviation {z:.2f} standard errors"
-
-
-def test_official_noise_scale_makes_ra_biased():
-    # Documents spec §5.1: with σ = d^(-1/4) the estimator is no longer unbiased.
-    torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
-    exact = softmax_attention_reference(q_hat * D ** 0.25, k_hat * D ** 0.25, v)
-    omega = sample_omega(q_hat, k_hat, None, "unbiased", 40000, noise_std=D ** -0.25)
-    per_draw = torch.softmax(omega @ k_hat.unsqueeze(2).transpose(-1, -2)
-                             - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None, None, :], -1) @ v.unsqueeze(2)
-    assert mc_check(per_draw.mean(3), per_draw.std(3), 40000, exact) > 10
-
-
-# -- 9. the RA sampler -------------------------------------------------------------------------------------
-def test_index_sampler_matches_softmax_probabilities():
-    torch.manual_seed(0)
-    scores = torch.randn(1, 1, 1, 12, dtype=torch.float64) * 1.5
-    draws = 60000
-    index = sample_index(scores, draws)[0, 0, 0]
-    observed = torch.bincount(index, minlength=12).double()
-    expected = scores.softmax(-1)[0, 0, 0] * draws
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < 31.26, chi2  # 99.9% quantile of chi-square with 11 degrees of freedom
-
-
-def ra_module(variant, **kw):
-    config = ZooRAConfig(hidden_size=16, num_attention_heads=2, intermediate_size=32, num_hidden_layers=1,
-                         ra_variant=variant, **kw)
-    return RandomizedAttention(config, 0, causal=False).double()
-
-
-def test_unbiased_ra_at_evaluation_has_no_noise_but_still_samples_the_index():
-    torch.manual_seed(0)
-    q_hat, k_hat, _ = qkv()
-    omega = sample_omega(q_hat, k_hat, None, "unbiased", 64, noise_std=0.0)
-    offsets = (omega - q_hat.unsqueeze(3))[0, 0]  # each must be exactly one of the keys
-    distance = (offsets.unsqueeze(-2) - k_hat[0, 0][None, None]).abs().sum(-1).min(-1).values
-    assert distance.max() < 1e-12
-    module = ra_module("unbiased").eval()
-    x = torch.randn(1, 12, 16, dtype=torch.float64)
-    assert not torch.equal(module(x), module(x))
-
-
-def test_biased_ra_is_deterministic_at_evaluation_and_uses_the_mean_key():
-    torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
-    omega = sample_omega(q_hat, k_hat, None, "biased", 1, noise_std=0.0)
-    pi = (q_hat @ k_hat.transpose(-1, -2)).softmax(-1)
-    torch.testing.assert_close(omega[:, :, :, 0], q_hat + pi @ k_hat)
-    module = ra_module("biased").eval()
-    x = torch.randn(1, 12, 16, dtype=torch.float64)
-    assert torch.equal(module(x), module(x))
-
-
-def test_ra_fast_path_equals_its_density_ratio_reference():
-    module = ra_module("unbiased", ra_num_samples=3).train()
-    x = torch.randn(2, 9, 16, dtype=torch.float64)
-    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
-    torch.manual_seed(5)
-    fast = module(x, attention_mask=mask)
-    torch.manual_seed(5)
-    slow = module.reference_forward(x, attention_mask=mask)
-    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
-
-
-# -- 10. RA is LARA with C = N and delta weights ------------------------------------------------------------
+# -- RA is LARA with C = N and delta weights ------------------------------------------------------------------------
 def test_snis_core_with_delta_weights_gives_ra():
     torch.manual_seed(0)
     q_hat, k_hat, v = qkv()
@@ -127,7 +47,7 @@ def test_snis_core_with_delta_weights_gives_ra():
     torch.testing.assert_close(out, ra, rtol=1e-12, atol=1e-12)
 
 
-# -- 11. LARA with zero means and the balance heuristic is Performer -------------------------------------------
+# -- LARA with zero means and the balance heuristic is Performer ----------------------------------------------------
 def test_lara_with_zero_means_and_balance_heuristic_is_performer():
     torch.manual_seed(0)
     q_hat, k_hat, v = qkv()
@@ -140,7 +60,7 @@ def test_lara_with_zero_means_and_balance_heuristic_is_performer():
     torch.testing.assert_close(lara, performer, rtol=1e-12, atol=1e-12)
 
 
-# -- LARA modules --------------------------------------------------------------------------------------------
+# -- LARA modules ---------------------------------------------------------------------------------------------------
 def lara_module(causal=False, heads=2, **kw):
     values = dict(hidden_size=heads * D, num_attention_heads=heads, intermediate_size=32, num_hidden_layers=1,
                   lara_num_samples=4, lara_chunk_size=3, sample_noise_std="paper")
@@ -159,7 +79,7 @@ def exact_softmax(module, x, mask=None, causal=False):
     return module.merge_heads(softmax_attention_reference(q, k, v, allowed))
 
 
-# -- 12. consistency: more samples per proposal, lower error -----------------------------------------------
+# -- consistency: more samples per proposal, lower error ------------------------------------------------------------
 def test_lara_error_falls_as_samples_per_proposal_grow():
     x = torch.randn(2, 16, 2 * D, dtype=torch.float64)
     errors = []
@@ -172,16 +92,16 @@ def test_lara_error_falls_as_samples_per_proposal_grow():
     assert errors[0] > 4 * errors[1] > 16 * errors[2], errors
 
 
-# -- 13. valid weights and the convex hull --------------------------------------------------------------------
+# -- valid weights and the convex hull ------------------------------------------------------------------------------
 def test_balance_heuristic_matches_gaussian_densities_and_the_correction_sums_to_zero():
     module = lara_module(lara_alpha_coeff=0.01).train()  # small λ: no clamping
     x = torch.randn(2, 11, 2 * D, dtype=torch.float64)
     torch.manual_seed(2)
-    log_q, log_k, v, log_alpha, log_proposal = module._bidirectional_terms(x, None, None)
+    log_q, log_k, v, log_alpha, log_proposal = module._bidirectional_terms(x, None)
     # Recompute the proposals with the same draws to check β_c = N(ω_c; μ_c, I) / Σ_c' N(ω_c; μ_c', I).
     torch.manual_seed(2)
     module.weighting = "balance"
-    log_balance = module._bidirectional_terms(x, None, None)[3]
+    log_balance = module._bidirectional_terms(x, None)[3]
     q, k, _ = module._inputs(x)
     q_bar, k_bar, valid = module._landmarks(q, k, None, None)
     mu = module._proposal_means(q_bar * D ** -0.25, k_bar * D ** -0.25, valid)
@@ -197,7 +117,7 @@ def test_balance_heuristic_matches_gaussian_densities_and_the_correction_sums_to
     assert (out >= low - 1e-12).all() and (out <= high + 1e-12).all()
 
 
-# -- 14. the log-space SNIS form equals the linear-attention form ---------------------------------------------
+# -- the log-space SNIS form equals the linear-attention form ---------------------------------------------
 @pytest.mark.parametrize("settings", [
     dict(), dict(lara_weighting="balance"), dict(lara_proposal_mean="q+mixed_k"), dict(lara_r_normalize="proposals"),
     dict(lara_samples_per_proposal=3), dict(lara_landmark_transform=False),
@@ -205,26 +125,25 @@ def test_balance_heuristic_matches_gaussian_densities_and_the_correction_sums_to
 @pytest.mark.parametrize("training", [False, True])
 def test_lara_two_written_forms_agree(settings, training):
     module = lara_module(**settings).train(training)
-    x = torch.randn(3, 11, 2 * D, dtype=torch.float64)
+    x = torch.randn(3, 11, 2 * D, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[1, 8:] = 0
     mask[2, 2:] = 0  # fewer real tokens than proposals
     torch.manual_seed(3)
     fast = module(x, attention_mask=mask)
-    torch.manual_seed(3)
+    torch.manual_seed(3)  # the same draws
     slow = module.reference_forward(x, attention_mask=mask)
-    real = mask.bool()
-    torch.testing.assert_close(fast[real], slow[real], rtol=1e-10, atol=1e-12)
+    assert_same_values_and_gradients(module, x, mask.bool(), fast, slow, rtol=1e-9, atol=1e-11)
 
 
 def test_lara_two_forms_agree_with_2d_landmarks():
     module = lara_module(lara_landmarks="2d", lara_num_samples=4, lara_proposal_mean="q+mixed_k").eval()
-    x = torch.randn(2, 36, 2 * D, dtype=torch.float64)
-    torch.testing.assert_close(module(x, grid_size=(6, 6)), module.reference_forward(x, grid_size=(6, 6)),
-                               rtol=1e-10, atol=1e-12)
+    module.set_image_layout((6, 6), class_token=False)
+    x = torch.randn(2, 36, 2 * D, dtype=torch.float64, requires_grad=True)
+    assert_same_values_and_gradients(module, x, None, module(x), module.reference_forward(x))
 
 
-# -- 15. landmark segmentation ---------------------------------------------------------------------------------
+# -- landmarks ------------------------------------------------------------------------------------------------------
 def test_segments_follow_the_uneven_rule_and_skip_padding():
     sizes = segment_assignment(None, 1, 10, 4, "cpu").sum(-1)[0]
     assert sizes.tolist() == [2, 2, 3, 3]
@@ -246,8 +165,9 @@ def test_2d_landmarks_average_grid_blocks_and_need_a_square_count():
     assert valid is None  # every pooled cell has tokens
     with pytest.raises(ValueError, match="perfect square"):
         ZooLARAConfig(lara_landmarks="2d", lara_num_samples=50)
+    module.set_image_layout((14, 14), class_token=False)
     with pytest.raises(ValueError, match="patch grid"):
-        module(torch.randn(1, 197, D, dtype=torch.float64), grid_size=(14, 14))
+        module(torch.randn(1, 197, D, dtype=torch.float64))  # a class token besides the grid
 
 
 def test_padded_tokens_do_not_change_landmarks_or_outputs():
@@ -258,7 +178,7 @@ def test_padded_tokens_do_not_change_landmarks_or_outputs():
     torch.testing.assert_close(module(padded, attention_mask=mask)[:, :9], module(x), rtol=1e-10, atol=1e-12)
 
 
-# -- 16. determinism and gradients -------------------------------------------------------------------------
+# -- determinism and gradients --------------------------------------------------------------------------------------
 def test_lara_evaluation_is_deterministic_and_gradients_reach_landmarks():
     module = lara_module().eval()
     x = torch.randn(2, 10, 2 * D, dtype=torch.float64)
@@ -290,14 +210,14 @@ def test_snis_output_has_correct_gradient_with_respect_to_the_proposal_means():
     assert torch.autograd.gradcheck(lara_of_mu, (mu,), eps=1e-6, atol=1e-6)
 
 
-# -- causal LARA (§8.3) ------------------------------------------------------------------------------------
+# -- causal LARA (docs/random_feature_attention.md) -----------------------------------------------------------------
 def test_causal_lara_parallel_equals_quadratic_reference():
     module = lara_module(causal=True).train()
-    x = torch.randn(2, 13, 2 * D, dtype=torch.float64)
+    x = torch.randn(2, 13, 2 * D, dtype=torch.float64, requires_grad=True)
     torch.manual_seed(4)
     fast = module(x)
-    torch.manual_seed(4)
-    torch.testing.assert_close(fast, module.reference_forward(x), rtol=1e-10, atol=1e-12)
+    torch.manual_seed(4)  # the same draws
+    assert_same_values_and_gradients(module, x, None, fast, module.reference_forward(x), rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("weighting", ["query_specific", "balance"])

@@ -2,16 +2,16 @@
 
 Queries come in chunks of `m` consecutive positions of some order (the hash-sorted order for LSH, the sequence
 for local attention); each chunk attends to the keys of its own chunk, of `before` chunks before it and of `after`
-chunks after it (seed 001 §2, Figure 2d). Which of those keys a query may really use is described by a
-`WindowMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
+chunks after it (Reformer, arXiv 2001.04451, §2 and Figure 2d). Which of those keys a query may really use is described
+by a `WindowMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
 
 `windowed_attention` is an autograd Function returning the output and the log-sum-exp of every query, with the
-gradients of both (LSH combines hash rounds through the log-sum-exp, Appendix A eq. 14). Its backward either
+gradients of both (LSH combines hash rounds through the log-sum-exp, Reformer Appendix A). Its backward either
 recomputes the scores (the [chunks, m, window] tensors then exist only transiently, as in flash attention) or, with
 `save_probs`, keeps the probabilities: the reversible stack recomputes a layer and backpropagates through it at
 once, so there keeping them costs no extra peak memory and saves a recomputation.
 
-Masked scores are -inf and a query's own key (shared-QK) gets the large finite penalty -1e5 (seed 001 Appendix A),
+Masked scores are -inf and a query's own key (shared-QK) gets the large finite penalty -1e5 (as trax does),
 so a token attends to itself only when nothing else is allowed; a row with no allowed key at all (padding) gets
 zero probabilities and a log-sum-exp of -1e9, so everything stays finite. (A large finite value for the masked
 scores would give the same numbers, but exp() of very negative inputs is several times slower on CPU.)
@@ -38,7 +38,7 @@ def mask_values(dtype: torch.dtype) -> tuple[float, float]:
 def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0) -> torch.Tensor:
     """[..., C, m, *rest] chunks (`rest_dims` trailing feature dims) -> [..., C, (before + 1 + after) * m, *rest]:
     each chunk's neighbourhood, from `before` chunks back to `after` ahead, with `fill` beyond the ends (no
-    wrap-around, eq. 11). Used for the per-position mask inputs; keys and values use `_flat_windows` views."""
+    wrap-around). Used for the per-position mask inputs; keys and values use `_flat_windows` views."""
     if before == 0 and after == 0:
         return x
     chunk_dim = x.dim() - 2 - rest_dims
@@ -78,8 +78,8 @@ class WindowMask:
       row of round r drops the keys that were candidates of its query in an earlier round. Every key of the union
       of the rounds' candidate sets is then attended in exactly one round, the first that lists it, so combining
       the rounds by their log-sum-exps is one softmax over the union: what subtracting log(number of rounds listing
-      the key) computes (LSH's duplicate correction, seed 001 Appendix A eq. 16), with R(R-1)/2 round comparisons
-      instead of R^2 and no per-score logarithm.
+      the key) computes (LSH's duplicate correction, Reformer Appendix A; docs/lsh_attention.md), with R(R-1)/2 round
+      comparisons instead of R^2 and no per-score logarithm.
     """
 
     positions: torch.Tensor

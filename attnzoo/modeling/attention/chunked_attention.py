@@ -1,0 +1,48 @@
+"""The base of the Reformer's two attentions (local and LSH): heads of `reformer_head_size`, a sequence cut into
+chunks of consecutive positions (of the sequence, or of the hash-sorted order) that each attend to a few neighbouring
+chunks through `attnzoo.ops.windowed_attention`, attention dropout, and a `TokenBufferLayer` for decoding."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask
+from attnzoo.modeling.cache import TokenBufferLayer
+
+
+class ChunkedAttention(ZooAttention):
+    family_config = "ZooReformerConfig"
+
+    def __init__(self, config, layer_idx: int, causal: bool, *, chunk_length: int, chunks_before: int,
+                 chunks_after: int, dropout: float | None):
+        super().__init__(config, layer_idx, causal)
+        self.head_dim = config.reformer_head_size
+        self.inner_size = self.num_heads * self.head_dim
+        self.chunk_length, self.chunks_before = chunk_length, chunks_before
+        self.chunks_after = 0 if causal else chunks_after  # a causal query has nothing to see ahead
+        self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
+
+    def projection(self, into_heads: bool = True) -> nn.Linear:
+        """hidden_size -> heads x head_dim (or back, for the output projection)."""
+        sizes = (self.hidden_size, self.inner_size) if into_heads else (self.inner_size, self.hidden_size)
+        return nn.Linear(*sizes, bias=self.config.attention_bias)
+
+    @property
+    def dropout_rate(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def cached_inputs(self, hidden_states, attention_mask, past_key_values):
+        """(this layer's cache slot or None, the number of cached tokens, the bool key mask over cached + new
+        tokens or None)."""
+        batch, length, _ = hidden_states.shape
+        cache = self.cache_slot(past_key_values)
+        past = cache.get_seq_length() if cache is not None else 0
+        return cache, past, check_attention_mask(attention_mask, batch, past + length)
+
+    @staticmethod
+    def all_real(key_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+        return key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool, device=device)
+
+    def new_cache_layer(self):
+        return TokenBufferLayer()

@@ -1,0 +1,167 @@
+"""The `PreTrainedModel` base every attnzoo model shares, and the three base models the heads build on: the text
+model (an encoder, or a causal decoder), the DeiT-style vision encoder and the encoder half of an encoder-decoder.
+A family subclasses each with its own config class (see `modeling_softmax.py`); nothing here depends on the
+attention kind."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPast
+
+from attnzoo.configuration.base import ZooConfig
+from attnzoo.modeling.attention import InitialisesBuffers
+from attnzoo.modeling.backbone import ZooTransformer
+from attnzoo.modeling.cache import ZooCache
+from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
+from attnzoo.remote_code import auto_map, family_model_classes, write_remote_code
+
+
+def as_output(output, return_dict, config):
+    """The ModelOutput, or its tuple when `return_dict` (or, when it is None, `config.return_dict`) is False."""
+    if return_dict is None:
+        return_dict = config.return_dict
+    return output if return_dict else output.to_tuple()
+
+
+class ZooPreTrainedModel(PreTrainedModel):
+    config_class = ZooConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["ZooBlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, AxialPositionEmbedding):
+            for weight in module.weights:
+                init.normal_(weight, mean=0.0, std=std)
+        elif isinstance(module, InitialisesBuffers):
+            module.init_buffers()
+        elif isinstance(module, PatchEmbedding):
+            if module.cls_token is not None:
+                init.trunc_normal_(module.cls_token, std=std)
+            if getattr(module, "position_embeddings", None) is not None:
+                init.trunc_normal_(module.position_embeddings, std=std)
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """transformers' save (and Hub upload), plus the code of the model's family and an `auto_map` in
+        config.json, so the checkpoint loads with `AutoModel*.from_pretrained(..., trust_remote_code=True)` where
+        attnzoo is not imported or not installed (see `attnzoo.remote_code`)."""
+        classes = family_model_classes(type(self))
+        if is_main_process:
+            write_remote_code(save_directory, type(self.config), classes)
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
+                                **auto_map(type(self.config), classes)}
+        return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # Each layer's attention decides its cache slot: generate() must not build a plain DynamicCache.
+        return False
+
+    def new_decoding_cache(self):
+        """An empty cache for incremental decoding (generative heads override this)."""
+        raise ValueError(f"{type(self).__name__} does not decode incrementally; use a ForCausalLM or "
+                         "ForConditionalGeneration model.")
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() hook: put the model's own cache into `model_kwargs` before decoding starts, as it does with a
+        DynamicCache for standard models, so that every decoding strategy (assisted and prompt-lookup decoding too)
+        finds one. A cache the user passed, or `use_cache=False`, is left to transformers."""
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                             f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
+        model_kwargs["past_key_values"] = self.new_decoding_cache()
+
+
+class ZooModel(ZooPreTrainedModel):
+    """Token embeddings and the Transformer: a bidirectional encoder, or a causal decoder when `is_decoder`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.transformer = ZooTransformer(config, causal=config.is_decoder)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                past_key_values=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected (batch, length).")
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache is None:  # caches serve decoding; a training forward never needs one
+            use_cache = self.config.use_cache and self.config.is_decoder and not self.training
+        if use_cache and not self.config.is_decoder:
+            raise ValueError("use_cache=True needs a decoder; build the model with is_decoder=True.")
+        if use_cache and past_key_values is None:
+            past_key_values = ZooCache.for_transformer(self.transformer)
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else \
+            self.config.output_hidden_states
+        hidden, all_hidden = self.transformer(
+            inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values if use_cache else None, output_hidden_states=output_hidden_states,
+        )
+        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
+                                      hidden_states=all_hidden)
+        return as_output(out, return_dict, self.config)
+
+
+class ZooVisionModel(ZooPreTrainedModel):
+    """DeiT-style image encoder: patch embedding with 2-D positions (and a class token when pooling="cls")."""
+
+    main_input_name = "pixel_values"
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.pooling == "last":
+            raise ValueError("pooling='last' has no meaning for images; use 'mean' or 'cls'.")
+        if config.is_decoder:
+            raise ValueError("image models are encoders; set is_decoder=False.")
+        self.patch_embed = PatchEmbedding(config)
+        self.transformer = ZooTransformer(config, causal=False, with_positions=False)
+        self.transformer.set_image_layout((self.patch_embed.grid, self.patch_embed.grid),
+                                          class_token=self.patch_embed.cls_token is not None)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.patch_embed.projection
+
+    def forward(self, pixel_values=None, output_hidden_states=None, return_dict=None, **kwargs):
+        tokens = self.patch_embed(pixel_values)
+        hidden, all_hidden = self.transformer(tokens, output_hidden_states=output_hidden_states)
+        return as_output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict, self.config)
+
+
+class ZooSeq2SeqEncoder(nn.Module):
+    """The encoder half of an encoder-decoder model; owns the vocabulary embedding the decoder shares."""
+
+    main_input_name = "input_ids"
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.transformer = ZooTransformer(config, causal=False)
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
+                return_dict=None, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden, all_hidden = self.transformer(inputs_embeds, attention_mask=attention_mask,
+                                              output_hidden_states=bool(output_hidden_states))
+        return BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden)

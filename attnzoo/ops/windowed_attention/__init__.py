@@ -1,0 +1,59 @@
+"""Windowed chunk attention, the core of Reformer's LSH and local attention, with fused backends.
+
+q, k, v [N, C, m, d] (C chunks of m queries per row), each chunk attending to its own chunk, `before` chunks back and
+`after` ahead, with the keys a query may use described by a `WindowMask`; returns (out [N, C, m, d], lse [N, C, m])
+with gradients through both.
+
+Backends: "torch" (`torch_window`: the PyTorch path, the CPU path and the reference of the others), "triton"
+(`triton_window`: fused flash-style kernels), "flex" (`flex`: PyTorch's FlexAttention with a block mask; backward on
+CUDA only). `naive` holds a dense reference written for autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnzoo.ops.triton_utils import resolve_backend
+from attnzoo.ops.windowed_attention.torch_window import WindowMask
+from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
+
+__all__ = ["windowed_attention"]
+
+WINDOW_BACKENDS = ("auto", "torch", "triton", "flex")
+
+
+def _check_inputs(q, k, v, mask: WindowMask) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k and v must all be [N, C, m, d]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}.")
+    if tuple(mask.positions.shape) != tuple(q.shape[:3]) or tuple(mask.valid.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"the mask's positions and valid must be [N, C, m] = {tuple(q.shape[:3])}; got "
+                         f"{tuple(mask.positions.shape)} and {tuple(mask.valid.shape)}.")
+    if mask.round_locations is not None and q.shape[0] % mask.round_locations.shape[-1]:
+        raise ValueError(f"round_locations lists {mask.round_locations.shape[-1]} hash rounds, but there are "
+                         f"{q.shape[0]} rows: pass whole groups of rows, one row per round with the round innermost.")
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask, scale: float = 1.0,
+                       dropout_p: float = 0.0, save_probs: bool = False, backend: str = "auto"):
+    """Chunked attention over each chunk's window -> (out [N, C, m, d], lse [N, C, m]), both in q's dtype.
+
+    backend: "auto" (Triton on CUDA when importable, else PyTorch), "torch", "triton" (CUDA, or the CPU under
+    TRITON_INTERPRET=1) or "flex" (FlexAttention; forward only on the CPU). The fused backends have no dropout:
+    with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask itself. `save_probs`
+    (PyTorch path) keeps the probabilities for the backward instead of recomputing them.
+    """
+    if backend not in WINDOW_BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {WINDOW_BACKENDS}.")
+    _check_inputs(q, k, v, mask)
+    if dropout_p > 0.0:
+        return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
+    if backend == "flex":
+        from attnzoo.ops.windowed_attention.flex import flex_windowed_attention
+
+        return flex_windowed_attention(q, k, v, mask, scale)
+    if resolve_backend(backend, q, "windowed_attention") == "torch":
+        return torch_windowed_attention(q, k, v, mask, scale, 0.0, save_probs)
+    from attnzoo.ops.windowed_attention.triton_window import TritonWindowedAttention
+
+    return TritonWindowedAttention.apply(q, k, v, mask, scale)

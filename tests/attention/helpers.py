@@ -1,0 +1,65 @@
+"""Shared pieces of the attention tests: tiny Reformer configs, padding masks, and the fast-against-reference
+comparison of values and gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
+from attnzoo.modeling.attention import Recomputation
+
+HIDDEN = 16
+
+
+def config(**overrides):
+    values = dict(hidden_size=HIDDEN, num_attention_heads=2, lsh_chunk_length=4, lsh_full_attention_threshold=0,
+                  lsh_num_buckets=4, local_chunk_length=4, hidden_dropout_prob=0.0)
+    values.update(overrides)
+    return ZooReformerConfig(**values)
+
+
+def lm_config(**overrides):
+    values = dict(vocab_size=37, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=32, max_position_embeddings=64, lsh_chunk_length=4, lsh_full_attention_threshold=0,
+                  lsh_num_buckets=4, lsh_num_hashes=2, local_chunk_length=4, hidden_dropout_prob=0.0,
+                  lsh_hash_seed=7, pad_token_id=0, eos_token_id=None)
+    values.update(overrides)
+    return ZooReformerConfig(**values)
+
+
+def decoding_model(**overrides):
+    torch.manual_seed(0)
+    return ZooReformerForCausalLM(lm_config(**overrides)).double().eval()
+
+
+def padding_mask(batch, length, left=2, right=2):
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[0, length - right:] = False
+    if batch > 1:
+        mask[1, :left] = False
+    return mask
+
+
+def fast_and_reference(attn, x, **kwargs):
+    """(forward, reference_forward) of `attn` on `x`, the reference replaying the forward's random state (LSH's
+    buckets) as a reversible recomputation would."""
+    record = Recomputation()
+    fast = attn(x, recompute=record, **kwargs)
+    record.replaying = True
+    return fast, attn.reference_forward(x, recompute=record, **kwargs)
+
+
+def assert_same_values_and_gradients(attn, x, mask, fast, reference, rtol=1e-10, atol=1e-12):
+    """Two outputs of `attn` on `x` agree at the real positions of `mask` (None: all), and so do their gradients
+    with respect to `x` and every parameter (float64 tolerances by default)."""
+    if mask is None:
+        mask = torch.ones(fast.shape[:2], dtype=torch.bool)
+    torch.testing.assert_close(fast[mask], reference[mask], rtol=rtol, atol=atol)
+    weights = torch.randn_like(fast) * mask[..., None]
+    params = [p for p in attn.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad((out * weights).sum(), [x, *params], allow_unused=True) for out in (fast, reference)]
+    for a, b in zip(*grads, strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        torch.testing.assert_close(a, b, rtol=rtol * 10, atol=atol * 10)

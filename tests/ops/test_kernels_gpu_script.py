@@ -1,0 +1,42 @@
+"""benchmarks/kernels_gpu.py is GPU-only; here only its code paths run: the refusal without CUDA, argument parsing,
+and the ratio/summary/plot code on a made-up result written to a temporary folder (not a measurement, never
+committed)."""
+
+import pytest
+import torch
+
+from tests.scripts_helpers import ROOT, load_module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_module(ROOT / "benchmarks", "kernels_gpu")
+
+
+def test_refuses_without_cuda_and_names_the_gpu_command(script, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"run: python benchmarks/kernels_gpu.py \[--quick\]"):
+        script.main(["--quick"])
+
+
+def test_arguments(script):
+    quick = script.parse_args(["--quick"])
+    assert quick.lengths == script.QUICK_LENGTHS and quick.repeats == 3
+    full = script.parse_args([])
+    assert full.lengths == [4096, 8192, 16384, 32768, 65536] and full.repeats == 10
+    assert script.parse_args(["--ops", "linear", "--lengths", "1024"]).lengths == [1024]
+    assert script.device_tag("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+
+
+def test_ratio_summary_and_plot_code_paths(script, tmp_path):
+    rows = {"sdpa": {"forward_ms": 2.0, "train_ms": 8.0, "train_peak_mib": 100.0},
+            "torch": {"forward_ms": 4.0, "train_ms": 16.0, "train_peak_mib": 400.0},
+            "triton": {"forward_ms": 1.0, "train_ms": 4.0, "train_peak_mib": 50.0},
+            "fla chunk_simple_gla": {"forward_error": "out of memory", "train_error": "out of memory"}}
+    script.add_ratios(rows)
+    assert rows["triton"]["train_ms_vs_sdpa"] == 0.5 and rows["triton"]["train_peak_mib_vs_torch"] == 0.125
+    made_up = {"device": "test", "benchmarks": {"decayed linear attention": {"4096": rows}}}
+    lines = script.summary_lines(made_up)
+    assert any("out of memory" in line for line in lines) and any("triton" in line for line in lines)
+    script.plot(made_up, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0

@@ -85,9 +85,9 @@ def gpt2_source(folder: Path):
 
 def heldout_blocks(count: int) -> torch.Tensor:
     """The first `count` 256-byte blocks of train_lm.py's held-out split of the default corpus."""
-    from attnzoo.training.text_data import TokenBlocks, default_corpus_path, read_bytes, split_bytes
+    from attnzoo.training.text_data import TokenBlocks, read_bytes, split_bytes
 
-    _, heldout = split_bytes(read_bytes(default_corpus_path()), 0.05)
+    _, heldout = split_bytes(read_bytes(None), 0.05)  # None: the default corpus
     blocks = TokenBlocks(heldout, BLOCK)
     return torch.stack([blocks[i]["input_ids"] for i in range(min(count, len(blocks)))]).long()
 

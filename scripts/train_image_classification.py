@@ -60,12 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--train_val_split", type=float, default=0.15, help="held-out share when there is no split")
     data.add_argument("--max_train_samples", type=int, default=0)
     data.add_argument("--max_eval_samples", type=int, default=0)
-    data.add_argument("--image_size", type=int, default=224)
+    data.add_argument("--image_size", type=int, default=None,
+                      help="image side (default: the checkpoint's with --model_name_or_path, else 224)")
     data.add_argument("--patch_size", type=int, default=16)
     aug = parser.add_argument_group("DeiT augmentation and regularisation")
     aug.add_argument("--auto_augment", default="rand-m9-mstd0.5-inc1", help="timm RandAugment policy ('' = off)")
     aug.add_argument("--color_jitter", type=float, default=0.3, help="used only when --auto_augment is off")
-    aug.add_argument("--interpolation", default="bicubic")
+    aug.add_argument("--interpolation", default=None,
+                      help="resize filter (default: the checkpoint's image processor's, else bicubic)")
     aug.add_argument("--crop_scale_min", type=float, default=0.08, help="RandomResizedCrop's smallest area share")
     aug.add_argument("--hflip", type=float, default=0.5, help="horizontal flip probability (0 for digits, text)")
     aug.add_argument("--reprob", type=float, default=0.25, help="random erasing probability")
@@ -75,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     aug.add_argument("--mixup_switch_prob", type=float, default=0.5)
     aug.add_argument("--label_smoothing", type=float, default=0.1)
     aug.add_argument("--drop_path_rate", type=float, default=0.1, help="stochastic depth of a new model")
-    aug.add_argument("--eval_crop_pct", type=float, default=0.875, help="evaluation: resize to size/pct, crop")
+    aug.add_argument("--eval_crop_pct", type=float, default=None,
+                     help="evaluation: resize to size/pct, crop (default: the checkpoint's, else 0.875)")
+    aug.add_argument("--image_mean", type=float, nargs=3, default=None,
+                     help="normalisation mean (default: the checkpoint's image processor's, else ImageNet's)")
+    aug.add_argument("--image_std", type=float, nargs=3, default=None,
+                     help="normalisation std (default: the checkpoint's image processor's, else ImageNet's)")
     sched = parser.add_argument_group("DeiT learning rate")
     sched.add_argument("--lr_scaling_batch", type=int, default=512,
                        help="learning rate x global batch / N (DeiT: 512; 0: use --learning_rate as is)")
@@ -86,8 +93,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: PIL resampling codes (an image processor's `resample`) -> timm interpolation names
+PIL_INTERPOLATION = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+
+
+def fill_preprocessing(args) -> None:
+    """Set the input pipeline's values left unset on the command line: from the checkpoint when fine-tuning (its
+    config's image_size; its image processor's mean, std, crop_pct and filter, e.g. a converted timm model's), else
+    DeiT's (224, ImageNet mean/std, crop 0.875, bicubic). A pretrained model must see its own normalisation."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    saved = {}
+    if args.model_name_or_path:
+        from transformers import AutoConfig, AutoImageProcessor
+
+        saved["image_size"] = getattr(AutoConfig.from_pretrained(args.model_name_or_path), "image_size", None)
+        try:
+            processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
+        except (OSError, ValueError):  # a checkpoint saved without an image processor: the defaults below
+            processor = None
+        if processor is not None:
+            saved.update(image_mean=getattr(processor, "image_mean", None),
+                         image_std=getattr(processor, "image_std", None),
+                         eval_crop_pct=getattr(processor, "crop_pct", None),
+                         interpolation=PIL_INTERPOLATION.get(int(getattr(processor, "resample", 3))))
+    defaults = dict(image_size=224, image_mean=list(IMAGENET_DEFAULT_MEAN), image_std=list(IMAGENET_DEFAULT_STD),
+                    eval_crop_pct=0.875, interpolation="bicubic")
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            value = saved.get(name)
+            setattr(args, name, list(value) if isinstance(value, list | tuple) else value if value is not None
+                    else default)
+
+
 def check_arguments(args) -> None:
     check_training_arguments(args)
+    fill_preprocessing(args)
     for name in ("reprob", "mixup_prob", "mixup_switch_prob", "label_smoothing", "drop_path_rate", "hflip"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a probability in [0, 1].")
@@ -96,7 +137,7 @@ def check_arguments(args) -> None:
     if (args.mixup or args.cutmix) and args.per_device_train_batch_size % 2:
         raise ValueError(f"Mixup/CutMix pair each image with the batch reversed, so --per_device_train_batch_size="
                          f"{args.per_device_train_batch_size} must be even (or set --mixup 0 --cutmix 0).")
-    if args.image_size % args.patch_size:
+    if not args.model_name_or_path and args.image_size % args.patch_size:  # a checkpoint brings its own
         raise ValueError(f"--patch_size={args.patch_size} must divide --image_size={args.image_size}.")
     if not 0.0 < args.crop_scale_min <= 1.0:
         raise ValueError(f"--crop_scale_min={args.crop_scale_min} is invalid: set an area share in (0, 1].")
@@ -120,14 +161,16 @@ def _posterize_keeping_zero_bits(img, bits_to_keep, **kwargs):
 def build_transforms(args):
     from timm.data import auto_augment, create_transform
 
+    fill_preprocessing(args)
     for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
         auto_augment.NAME_TO_OP[name] = _posterize_keeping_zero_bits
 
     train = create_transform(args.image_size, is_training=True, scale=(args.crop_scale_min, 1.0), hflip=args.hflip,
                              auto_augment=args.auto_augment or None, color_jitter=args.color_jitter,
-                             interpolation=args.interpolation, re_prob=args.reprob, re_mode="pixel", re_count=1)
+                             interpolation=args.interpolation, re_prob=args.reprob, re_mode="pixel", re_count=1,
+                             mean=tuple(args.image_mean), std=tuple(args.image_std))
     evaluation = create_transform(args.image_size, is_training=False, interpolation=args.interpolation,
-                                  crop_pct=args.eval_crop_pct)
+                                  crop_pct=args.eval_crop_pct, mean=tuple(args.image_mean), std=tuple(args.image_std))
     return train, evaluation
 
 
@@ -154,7 +197,10 @@ def build_model(args, names: list[str]):
         return AutoModelForImageClassification.from_pretrained(
             args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
             label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+    # The blocks see the patches and the class token; LSH attention sizes its default bucket count from this length.
+    num_tokens = (args.image_size // args.patch_size) ** 2 + 1
     values = dict(image_size=args.image_size, patch_size=args.patch_size, num_channels=3, num_labels=len(names),
+                  max_position_embeddings=num_tokens,
                   id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
                   drop_path_rate=args.drop_path_rate, layer_norm_eps=1e-6)
     return AutoModelForImageClassification.from_config(new_model_config(args.family, values, args.model))
@@ -162,13 +208,13 @@ def build_model(args, names: list[str]):
 
 def image_processor(args):
     """Saved beside the model so `AutoImageProcessor` reproduces the evaluation transform: resize the shorter side
-    to size / crop_pct, centre-crop, ImageNet normalisation (timm's DeiT evaluation)."""
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    to size / crop_pct, centre-crop, normalise (timm's DeiT evaluation)."""
     from transformers import ConvNextImageProcessor
 
+    resample = {name: code for code, name in PIL_INTERPOLATION.items()}.get(args.interpolation, 3)
     return ConvNextImageProcessor(size={"shortest_edge": args.image_size}, crop_pct=args.eval_crop_pct,
-                                  resample=3, image_mean=list(IMAGENET_DEFAULT_MEAN),
-                                  image_std=list(IMAGENET_DEFAULT_STD))
+                                  resample=resample, image_mean=list(args.image_mean),
+                                  image_std=list(args.image_std))
 
 
 def main(argv=None):

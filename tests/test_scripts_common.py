@@ -23,7 +23,7 @@ from attnzoo.training.recipes import parse_with_recipe
 from attnzoo.training.tracking import JSONLinesTracker, build_trackers, read_metrics
 from tests.scripts_helpers import ROOT, load_script, number_words
 
-RECIPE_SCRIPTS = {"enwik8": "train_lm", "imagenet64": "train_lm", "quickstart_lm": "train_lm",
+RECIPE_SCRIPTS = {"enwik8": "train_lm", "imagenet64": "train_lm", "quickstart_lm": "train_lm", "uptrain_lm": "train_lm",
                   "wmt14": "train_translation", "quickstart_translation": "train_translation",
                   "deit": "train_image_classification", "quickstart_image_classification": "train_image_classification"}
 

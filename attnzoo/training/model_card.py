@@ -32,16 +32,21 @@ def family_of(config) -> str:
 
 
 def architecture_summary(config, num_parameters: int) -> str:
-    """One line a reader can compare across families."""
+    """One line a reader can compare across families. Fields a config lacks are left out: the scripts also train
+    other libraries' checkpoints (e.g. a transformers GPT-2 that is then converted to a zoo family)."""
     parts = [f"{config.model_type}", f"{num_parameters / 1e6:.2f}M parameters",
              f"{config.num_hidden_layers} layers", f"hidden {config.hidden_size}",
-             f"{config.num_attention_heads} heads", f"FFN {config.intermediate_size}",
-             f"attention {list(config.attn_layers)}"]
+             f"{config.num_attention_heads} heads"]
+    if getattr(config, "intermediate_size", None):
+        parts.append(f"FFN {config.intermediate_size}")
+    if getattr(config, "attn_layers", None):
+        parts.append(f"attention {list(config.attn_layers)}")
     if getattr(config, "is_encoder_decoder", False):
         parts.append(f"decoder {config.num_decoder_layers} layers, attention {list(config.decoder_attn_layers)}")
-    if config.reversible:
+    if getattr(config, "reversible", False):
         parts.append("reversible residual layers")
-    parts.append(f"{config.position_embedding_type} positions")
+    if getattr(config, "position_embedding_type", None):
+        parts.append(f"{config.position_embedding_type} positions")
     return ", ".join(parts)
 
 

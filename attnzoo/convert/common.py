@@ -1,0 +1,212 @@
+"""What the pretrained-weight converters (`gpt2`, `vit`) share: the target family's config, the weights of each
+attention layout, loading them so that nothing is left unmapped, and writing the result only once all of it worked.
+
+A source's q, k, v and output projections are handed over per layer as (weight, bias) pairs in `nn.Linear` layout
+([out_features, in_features]); `attention_weights` places them according to the attention module's own layout:
+- q_proj / k_proj / v_proj / o_proj: softmax ("full"), FAVOR+ and elu+1 ("favor", "elu"), RA ("ra"), LARA ("lara");
+- query / key / value / output: Reformer's local attention ("local");
+- query_key / value / output: LSH attention ("lsh"), whose shared query-key projection starts as the source's query
+  projection (Reformer: The Efficient Transformer, arXiv 2001.04451, §2 "shared-QK Transformer"); the source's key
+  projection has no place there and is dropped (reported in `ConversionReport.dropped`).
+Parameters an attention has beyond these (LARA's landmark transforms) and buffers (Performer's evaluation projection)
+keep the initialisation of their module, except where `init_attention_extras` sets a better start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FAMILIES = ("softmax", "performer", "reformer", "ra", "lara")
+
+#: attention layouts the converters fill: module attribute -> source projection ("q", "k", "v" or "o")
+PROJECTION_LAYOUTS = (
+    {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o"},
+    {"query_key": "q", "value": "v", "output": "o"},
+    {"query": "q", "key": "k", "value": "v", "output": "o"},
+)
+
+#: settings a conversion starts from unless the user overrides them (see `build_config`). LARA's landmark transform
+#: (a Linear + LayerNorm on the landmarks; "Linear Complexity Randomized Self-attention Mechanism", arXiv 2204.04667,
+#: §4) is off: a softmax model has none to carry over, and without it the landmarks are segment means of the source's
+#: own queries and keys, whereas even an identity-started transform's LayerNorm would rescale them.
+#: `--config lara_landmark_transform=true` adds it, starting from the identity Linear (see `init_attention_extras`).
+CONVERSION_DEFAULTS = {"lara": {"lara_landmark_transform": False}}
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did besides copying: source weights left out and target parameters started fresh."""
+
+    dropped: list[str] = field(default_factory=list)
+    fresh: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = []
+        if self.dropped:
+            parts.append(f"{len(self.dropped)} source tensors have no place in the target and were left out "
+                         f"(e.g. {self.dropped[0]})")
+        if self.fresh:
+            parts.append(f"{len(self.fresh)} attention parameters/buffers of the target start from their "
+                         f"initialisation (e.g. {self.fresh[0]})")
+        return "; ".join(parts) or "every weight mapped one to one"
+
+
+def family_config_class(family: str):
+    """The config class of `attnzoo_{family}`."""
+    from transformers import CONFIG_MAPPING
+
+    import attnzoo  # noqa: F401  (registers the families)
+
+    if family not in FAMILIES:
+        raise ValueError(f"--family {family!r} is unknown; use one of {FAMILIES}.")
+    return CONFIG_MAPPING[f"attnzoo_{family}"]
+
+
+def build_config(family: str, fixed: dict, defaults: dict, overrides: dict | None):
+    """The target config: the family's defaults, then `defaults` (source settings the user may change, such as
+    dropout), then the user's `overrides`, then `fixed` (what must match the source for the converted model to
+    compute the same function: sizes, activation, norms, positions, biases, a standard residual stack).
+    An override of a fixed field or of a field the family does not have raises ValueError."""
+    config_class = family_config_class(family)
+    overrides = dict(overrides or {})
+    probe = config_class()
+    unknown = sorted(k for k in overrides if not hasattr(probe, k))
+    if unknown:
+        raise ValueError(f"--config {unknown}: not fields of {config_class.__name__}; check the spelling (fields are "
+                         f"documented in attnzoo.{config_class.__name__}).")
+    locked = sorted(k for k in overrides if k in fixed and overrides[k] != fixed[k])
+    if locked:
+        raise ValueError(f"--config {locked}: fixed by the source checkpoint ("
+                         + ", ".join(f"{k}={fixed[k]!r}" for k in locked)
+                         + "); the converted model must compute the source's function. Change attention settings "
+                           "only, or fine-tune and then change the architecture.")
+    values = {**CONVERSION_DEFAULTS.get(family, {}), **defaults, **overrides, **fixed}
+    return config_class(**values)
+
+
+def projection_layout(attn: nn.Module) -> dict[str, str]:
+    """The entry of `PROJECTION_LAYOUTS` that `attn` has, or ValueError naming the attention."""
+    for layout in PROJECTION_LAYOUTS:
+        if all(isinstance(getattr(attn, name, None), nn.Linear) for name in layout):
+            return layout
+    raise ValueError(f"attention {getattr(attn, 'name', '?')!r} ({type(attn).__name__}) has none of the projection "
+                     f"layouts the converters fill ({[list(layout) for layout in PROJECTION_LAYOUTS]}); pick "
+                     "attn_layers of another kind.")
+
+
+def attention_weights(attn: nn.Module, prefix: str, projections: dict[str, tuple], report: ConversionReport,
+                      source_names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Target tensors `{prefix}{name}.weight/.bias` for `attn`'s projections from the source's
+    `projections[role] = (weight [out, in], bias [out] or None)`; a missing source bias becomes zeros. Source roles
+    the layout does not use (the key projection of shared-QK attention) are listed in `report.dropped` under
+    `source_names[role]`."""
+    layout = projection_layout(attn)
+    out = {}
+    for name, role in layout.items():
+        weight, bias = projections[role]
+        linear = getattr(attn, name)
+        if tuple(linear.weight.shape) != tuple(weight.shape):
+            raise ValueError(f"{prefix}{name}.weight has shape {tuple(linear.weight.shape)} but the source's {role} "
+                             f"projection has {tuple(weight.shape)}; the sizes of the configs differ.")
+        out[f"{prefix}{name}.weight"] = weight
+        if linear.bias is not None:
+            out[f"{prefix}{name}.bias"] = bias if bias is not None else torch.zeros_like(linear.bias)
+        elif bias is not None and bool(bias.ne(0).any()):
+            raise ValueError(f"{prefix}{name} has no bias but the source's {role} projection has a non-zero one; "
+                             "convert with attention_bias=True.")
+    report.dropped.extend(source_names[role] for role in projections if role not in layout.values())
+    return out
+
+
+def linear_pair(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return module.weight, module.bias
+
+
+@torch.no_grad()
+def init_attention_extras(model: nn.Module) -> None:
+    """Start an attention's own parameters where they change the source's attention least: LARA's landmark
+    transforms (Linear + LayerNorm) begin with the identity Linear (the LayerNorm keeps its unit scale and zero
+    shift), so landmarks start as normalised segment means of the source's own queries and keys."""
+    for module in model.modules():
+        for name in ("landmark_q", "landmark_k"):
+            transform = getattr(module, name, None)
+            if isinstance(transform, nn.Sequential) and isinstance(transform[0], nn.Linear):
+                nn.init.eye_(transform[0].weight)
+                nn.init.zeros_(transform[0].bias)
+
+
+def load_converted(model: nn.Module, state: dict[str, torch.Tensor], report: ConversionReport) -> None:
+    """Load `state` into `model`; every target tensor must be given except an attention's own parameters and
+    buffers (recorded in `report.fresh`), and every given tensor must be used."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected:
+        raise ValueError(f"converted tensors with no place in {type(model).__name__}: {unexpected[:5]}")
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if model.config.tie_word_embeddings else set()
+    own = [name for name in missing if ".attn." in name and name not in tied]
+    unmapped = [name for name in missing if name not in own and name not in tied]
+    if unmapped:
+        raise ValueError(f"no source weight for {unmapped[:5]} of {type(model).__name__}")
+    report.fresh.extend(own)
+
+
+def parse_overrides(pairs: list[str] | None) -> dict:
+    from attnzoo.training.recipes import parse_model_overrides
+
+    return parse_model_overrides(pairs)
+
+
+def add_converter_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dst", help="output folder (must not exist or be empty); written only if everything maps")
+    parser.add_argument("--family", default="softmax", choices=FAMILIES,
+                        help="attention family of the converted model (softmax: the same function as the source)")
+    parser.add_argument("--config", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="attention settings of the target family, e.g. num_random_features=256 "
+                             "attn_layers=[lsh]")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the attention's own random initialisation (Performer's evaluation features)")
+
+
+def check_destination(dst: str | Path) -> Path:
+    """`dst` as a Path; ValueError if it is a file or a non-empty folder (checked before converting anything)."""
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst} exists and is not an empty folder; choose a new output folder.")
+    return dst
+
+
+def save_converted(model, dst: str | Path, companions=()) -> Path:
+    """`save_pretrained` of the model and its tokenizer / image processor into a temporary sibling folder, renamed
+    to `dst` at the end, so a failure leaves no half-written output."""
+    dst = check_destination(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        model.save_pretrained(staging)
+        for companion in companions:
+            if companion is not None:
+                companion.save_pretrained(staging)
+        if dst.exists():
+            dst.rmdir()
+        os.replace(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dst
+
+
+@contextmanager
+def seeded(seed: int):
+    """The global torch RNG seeded for the block and restored afterwards: the target's random initialisation is
+    reproducible and the caller's RNG stream is left alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -1,13 +1,16 @@
 """torch.compile against eager: a causal-LM training step (forward + backward) of every family, in one process.
 
-    python benchmarks/compile_speed.py                       # CPU, 4 layers, hidden 256, 4K tokens, all families
+    python benchmarks/compile_speed.py                       # CPU, 4 layers, hidden 256, 1K and 4K tokens, all families
     python benchmarks/compile_speed.py --device cuda         # the same on a GPU
     python benchmarks/compile_speed.py --quick               # a smoke run (short sequence, 1 repeat)
 
 Each family's default attention (softmax: SDPA; reformer: local + LSH, reversible, axial positions; performer: causal
 FAVOR+; ra: unbiased RA; lara: causal LARA) in a 4-layer model, hidden 256, 4 heads, FFN 1024, batch 1. The model is
 compiled with `torch.compile(model, fullgraph=True)` (a graph break would fail the run) and timed after one warm-up
-step; the JSON records the median step time of both, their ratio, and the compile time (the first compiled step).
+step; the JSON records the median step time of both, their ratio, the compile time (the first compiled step) and
+the share of the eager step spent in matrix products (torch.profiler, self time of mm/addmm/bmm/SDPA kernels): the
+compiler fuses the work around them, so 1 / (1 - that share) is what removing all the rest would give if the
+products stayed as they are (a reference, not a hard limit: a fusion can also remove a copy feeding a product).
 Results: benchmarks/results/compile_speed_<device>.json and .png.
 """
 
@@ -15,7 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+
+# compile_s is the cold compile time a user pays: no reuse of an earlier run's inductor/FX caches
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +51,27 @@ def build(family: str, length: int, device: str):
     return AutoModelForCausalLM.from_config(config).to(device).train()
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+              "aten::_scaled_dot_product_flash_attention_for_cpu",
+              "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+              "aten::_efficient_attention_forward", "aten::_efficient_attention_backward",
+              "aten::_flash_attention_forward", "aten::_flash_attention_backward")
+
+
+def matmul_share(step, device: str) -> float:
+    """Share of one step's self time (CPU ops, or CUDA kernels on a GPU) spent in the matrix-product operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events)
+    return sum(getattr(e, attr) for e in events if e.key in MATMUL_OPS) / max(total, 1e-9)
+
+
 def measure(family: str, length: int, device: str, repeats: int) -> dict:
     ids = torch.randint(0, 256, (1, length), device=device)
     eager = build(family, length, device)
@@ -56,6 +85,7 @@ def measure(family: str, length: int, device: str, repeats: int) -> dict:
     eager_step = train_step(eager)
     eager_step()  # warm-up
     eager_seconds = statistics.median(step_seconds(eager_step, device, repeats))
+    eager_matmul_share = matmul_share(eager_step, device)
     torch._dynamo.reset()
     compiled_model = torch.compile(build(family, length, device), fullgraph=True)
     compiled_step = train_step(compiled_model)
@@ -66,23 +96,37 @@ def measure(family: str, length: int, device: str, repeats: int) -> dict:
     compile_seconds = time.perf_counter() - start
     compiled_seconds = statistics.median(step_seconds(compiled_step, device, repeats))
     return {"family": family, "tokens": length, "eager_step_s": eager_seconds, "compiled_step_s": compiled_seconds,
-            "speedup": eager_seconds / compiled_seconds, "compile_s": compile_seconds}
+            "speedup": eager_seconds / compiled_seconds, "compile_s": compile_seconds,
+            "eager_matmul_share": eager_matmul_share}
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Grouped bars: one group per family, one bar per sequence length, with the matmul-share bound as a tick."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["family"] for r in rows]
-    ax.bar(names, [r["speedup"] for r in rows], color="tab:blue")
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    lengths = sorted({r["tokens"] for r in rows})
+    width = 0.8 / len(lengths)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for j, length in enumerate(lengths):
+        for i, family in enumerate(families):
+            row = next((r for r in rows if r["family"] == family and r["tokens"] == length), None)
+            if row is None:
+                continue
+            x = i + (j - (len(lengths) - 1) / 2) * width
+            ax.bar(x, row["speedup"], width, color=f"C{j}", label=f"{length} tokens" if i == 0 else None)
+            ax.text(x, row["speedup"], f"{row['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+            bound = 1.0 / max(1.0 - row["eager_matmul_share"], 1e-3)
+            ax.plot([x - width / 2, x + width / 2], [bound, bound], color="black", lw=1,
+                    label="1 / (1 - matmul share)" if i == 0 and j == 0 else None)
     ax.axhline(1.0, color="grey", lw=1)
-    for i, r in enumerate(rows):
-        ax.text(i, r["speedup"], f"{r['speedup']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(range(len(families)), families)
     ax.set_ylabel("eager time / compiled time")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -90,7 +134,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--families", nargs="*", default=list(FAMILIES))
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -99,19 +143,22 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    length, repeats = (256, 1) if args.quick else (args.length, args.repeats)
+    lengths, repeats = ([256], 1) if args.quick else (args.lengths, args.repeats)
     rows = []
-    for family in args.families:
-        rows.append(measure(family, length, args.device, repeats))
-        print(json.dumps(rows[-1]), flush=True)
+    for length in lengths:
+        for family in args.families:
+            rows.append(measure(family, length, args.device, repeats))
+            print(json.dumps(rows[-1]), flush=True)
     report = {"experiment": "torch.compile(fullgraph=True) vs eager, causal-LM training step",
+              "command": " ".join(["python", "benchmarks/compile_speed.py", *(sys.argv[1:] if argv is None else argv)]),
               "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
+              "inductor_caches": "disabled" if os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1" else "enabled",
               "model": "4 layers, hidden 256, 4 heads, FFN 1024, batch 1", "rows": rows}
     out = Path(args.output) if args.output else RESULTS / f"compile_speed_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    plot(rows, out.with_suffix(".png"), f"torch.compile speed-up, {length} tokens, {report['device']}")
+    plot(rows, out.with_suffix(".png"), f"torch.compile speed-up of a training step, {report['device']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return report
 

@@ -211,6 +211,7 @@ def image_processor(args):
     to size / crop_pct, centre-crop, normalise (timm's DeiT evaluation)."""
     from transformers import ConvNextImageProcessor
 
+    fill_preprocessing(args)  # idempotent: values already set (by check_arguments) stay
     resample = {name: code for code, name in PIL_INTERPOLATION.items()}.get(args.interpolation, 3)
     return ConvNextImageProcessor(size={"shortest_edge": args.image_size}, crop_pct=args.eval_crop_pct,
                                   resample=resample, image_mean=list(args.image_mean),

@@ -186,10 +186,20 @@ def test_any_length_trains_and_generates():
                                          ("lsh_hash_seed", -1), ("lsh_full_attention_threshold", -2),
                                          ("lsh_num_chunks_before", -1), ("local_chunk_length", 0),
                                          ("local_num_chunks_after", -1), ("lsh_attention_probs_dropout_prob", 1.0),
-                                         ("attention_head_size", 0), ("reversible_merge", "sum")])
+                                         ("attention_head_size", 0), ("reversible_merge", "sum"),
+                                         ("lsh_duplicate_correction", "no")])
 def test_bad_reformer_values_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         config(**{field: value})
+
+
+def test_lsh_defaults_follow_the_paper():
+    """Section 2 of arXiv 2001.04451: a bidirectional LSH query attends within its own chunk and the one before it
+    (none ahead), and the rounds' duplicated keys are corrected for; local attention looks one chunk each way."""
+    cfg = config()
+    assert (cfg.lsh_num_chunks_before, cfg.lsh_num_chunks_after) == (1, 0)
+    assert (cfg.local_num_chunks_before, cfg.local_num_chunks_after) == (1, 1)
+    assert cfg.lsh_duplicate_correction is True and cfg.lsh_window == "bucket"
 
 
 def test_concatenated_streams_need_reversible_and_untied_embeddings():

@@ -385,6 +385,16 @@ def test_text_that_is_not_utf8_and_bad_text_rows_are_named_or_skipped(tmp_path, 
     train, heldout = load_text_splits(args, None, byte_level=True)
     assert train.numel() + heldout.numel() == 6 * 300 + 5  # six rows joined by newlines
 
+    table = tmp_path / "rows.csv"  # a CSV with one latin-1 row: datasets' own error names neither file nor line
+    table.write_bytes(("text\n" + "".join("x" * 300 + "\n" for _ in range(5)) + "caf\xe9\n").encode("latin-1"))
+    args = SimpleNamespace(dataset_name=None, train_file=str(table), validation_file=None, text_column="text",
+                           heldout_fraction=0.2, skip_bad_examples=False)
+    with pytest.raises(ValueError, match=r"rows.csv:7: not UTF-8 text"):
+        load_text_splits(args, None, byte_level=True)
+    args.skip_bad_examples = True
+    train, heldout = load_text_splits(args, None, byte_level=True)
+    assert train.numel() + heldout.numel() == 5 * 300 + 4
+
 
 def test_unreadable_images_are_named_or_skipped(tmp_path, caplog):
     from attnzoo.training.classification_data import load_labelled_images, with_transform
@@ -443,8 +453,9 @@ def test_a_nan_image_batch_is_skipped_by_the_image_script(tmp_path, monkeypatch)
 # -- SIGTERM sent to launched runs ----------------------------------------------------------------------------------
 def stop_with_sigterm(script: str, argv: list, out: Path, num_processes: int, after_step: int, target: str):
     """Launch a run, wait until it logged `after_step`, send SIGTERM to the whole process group ("group": what a
-    terminal's Ctrl-C or a batch scheduler does) or to the rank-1 training process only ("rank 1"); returns the
-    launcher's (stdout, stderr) once every process has exited."""
+    terminal's Ctrl-C or a batch scheduler does), to the launcher only ("launcher": `docker stop`, a scheduler that
+    signals the job's main process) or to the rank-1 training process only ("rank 1"); returns the launcher's
+    (stdout, stderr) once every process has exited."""
     import psutil
 
     process = subprocess.Popen(accelerate_command(script, [*argv, "--output_dir", out], num_processes),
@@ -459,6 +470,8 @@ def stop_with_sigterm(script: str, argv: list, out: Path, num_processes: int, af
     assert process.poll() is None, f"the run ended before it could be stopped: {process.communicate()[1][-2000:]}"
     if target == "group":
         os.killpg(process.pid, signal.SIGTERM)
+    elif target == "launcher":
+        process.send_signal(signal.SIGTERM)
     else:
         workers = [p for p in psutil.Process(process.pid).children(recursive=True)
                    if p.environ().get("LOCAL_RANK") == "1"]
@@ -468,7 +481,8 @@ def stop_with_sigterm(script: str, argv: list, out: Path, num_processes: int, af
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights(tmp_path):
+@pytest.mark.parametrize("target", ["group", "launcher"])
+def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights(tmp_path, target):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(english_text()[:20_000])
     args = ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "30", "--logging_steps", "1",
@@ -477,7 +491,7 @@ def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights
             *tiny_model("performer", "hidden_dropout_prob=0.1"), *QUIET]
     launch("train_lm", [*args, "--output_dir", tmp_path / "full"])
     stopped = tmp_path / "stopped"
-    stdout, _ = stop_with_sigterm("train_lm", args, stopped, 1, after_step=3, target="group")
+    stdout, _ = stop_with_sigterm("train_lm", args, stopped, 1, after_step=3, target=target)
     assert "stopped by SIGTERM after step" in stdout and "--resume_from_checkpoint latest" in stdout
     step = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0])
     assert [s for s, _ in list_checkpoints(stopped)] == [step] and 3 <= step < 25

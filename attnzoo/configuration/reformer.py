@@ -111,6 +111,7 @@ class ZooReformerConfig(ZooConfig):
         check_int(self, "lsh_full_attention_threshold", 0, "set a non-negative integer (0 = always hash), or None "
                                                            "for lsh_chunk_length.", optional=True)
         check_choice(self, "lsh_window", LSH_WINDOWS)
+        check_choice(self, "lsh_duplicate_correction", (True, False))
         check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
         check_probability(self, "local_attention_probs_dropout_prob", optional=True)
 

@@ -1,7 +1,7 @@
 """Malformed training data, found before (or when) it is used and reported by file and line or item: JSON-lines files
-(a line that is not JSON or not UTF-8, a missing field), text files that are not UTF-8, and image files that do not
-decode. By default the first problems stop the run with a ValueError naming them; with --skip_bad_examples the bad
-examples are left out and counted in a warning."""
+(a line that is not JSON or not UTF-8, a missing field), text and CSV files that are not UTF-8, and image files that
+do not decode. By default the first problems stop the run with a ValueError naming them; with --skip_bad_examples the
+bad examples are left out and counted in a warning."""
 
 from __future__ import annotations
 
@@ -120,6 +120,28 @@ def _copy_without_lines(source: Path, dropped: set[int], target: Path) -> Path:
             if number not in dropped:
                 dst.write(raw)
     return target
+
+
+@contextmanager
+def utf8_text_files(files: dict[str, str | Path], skip_bad: bool) -> Iterator[dict[str, str]]:
+    """Delimited text files (CSV, TSV) checked to be UTF-8 before a `datasets` loader reads them (its own error names
+    neither file nor line): bytes that are not UTF-8 raise ValueError naming file and line; with `skip_bad`, the split
+    is given as a copy without those lines, in a temporary folder that lives as long as the context."""
+    clean: dict[str, str] = {}
+    folder = None
+    try:
+        for split, path in files.items():
+            text = read_utf8_text(path, skip_bad)
+            if len(text.encode("utf-8")) == Path(path).stat().st_size:
+                clean[split] = str(path)
+                continue
+            folder = folder or Path(tempfile.mkdtemp(prefix="attnzoo-clean-"))
+            clean[split] = str(folder / f"{split}{Path(path).suffix}")
+            Path(clean[split]).write_text(text, encoding="utf-8")
+        yield clean
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def read_utf8_text(path: str | Path, skip_bad: bool) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -41,7 +42,23 @@ from attnzoo.training.checkpoints import (
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process receives when its parent exits
 REMEMBERED_STEPS = 10  # how many of the latest skipped steps a message names
+
+
+def _stop_when_launcher_exits(sig: int) -> bool:
+    """Under a one-process `accelerate launch`, have Linux send this process `sig` when the launcher exits (prctl
+    PR_SET_PDEATHSIG; 0 clears it). That launcher waits on its one child and forwards no signal, so a SIGTERM sent to
+    it alone (`docker stop`, a scheduler signalling the job's main process) would kill it and leave training running
+    with nothing saved; now the launcher's death stops training like a SIGTERM of its own. Multi-process launches
+    need none of this (torchrun's agent forwards signals to its workers), nor does a script started with `python`,
+    whose parent is a shell that may exit while the run should go on (nohup). Returns whether it was set."""
+    launched_alone = "ACCELERATE_USE_CPU" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    if sys.platform != "linux" or not launched_alone:
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -90,9 +107,12 @@ class TrainingGuard:
             yield from batches
             return
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        follows_launcher = _stop_when_launcher_exits(signal.SIGTERM)
         try:
             yield from batches
         finally:
+            if follows_launcher:
+                _stop_when_launcher_exits(0)
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from attnzoo.training.data_checks import checked_json_files, read_utf8_text
+from attnzoo.training.data_checks import checked_json_files, read_utf8_text, utf8_text_files
 
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
@@ -179,7 +179,8 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
                                     "text row") as checked:
                 raw = load_dataset("json", data_files=checked)
         else:
-            raw = load_dataset(extension, data_files=files)
+            with utf8_text_files(files, skip_bad) as checked:
+                raw = load_dataset(extension, data_files=checked)
     if "train" not in raw:
         raise ValueError(f"the dataset has splits {list(raw)}, no 'train' split.")
     train = tokenize_text_dataset(raw["train"], tokenizer, args.text_column, byte_level)

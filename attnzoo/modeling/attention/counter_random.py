@@ -25,12 +25,25 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+#: the counters are folded into one number modulo this prime (2**31 - 1) before a single mix: products of two
+#: numbers below it stay below 2**62, so no int64 overflows
+FOLD_PRIME = 2147483647
+FOLD_MULTIPLIER = 1103515245  # odd, below FOLD_PRIME
+FOLD_INCREMENT = 12345
+
+
 def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors)."""
-    state = _hash32(torch.full((), seed & 0xFFFFFFFF, dtype=torch.int64, device=counters[0].device))
+    """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors, each in
+    [0, 2**31 - 1)).
+
+    The seed and the counters are folded into one number by a polynomial modulo a prime (each step uses the running
+    value once), and that number is mixed once by `_hash32`. Each mixing step reads its input twice, so chaining a
+    mix per counter would make an expression that doubles with every step: torch.compile inlines it, and RA's five
+    counters took inductor over ten minutes to compile."""
+    state = torch.full((), seed % FOLD_PRIME, dtype=torch.int64, device=counters[0].device)
     for counter in counters:
-        state = _hash32(state ^ (counter.to(torch.int64) & 0xFFFFFFFF))
-    return (state.double() + 0.5) / 4294967296.0
+        state = (state * FOLD_MULTIPLIER + counter.to(torch.int64) + FOLD_INCREMENT) % FOLD_PRIME
+    return (_hash32(state).double() + 0.5) / 4294967296.0
 
 
 def counter_normal(seed: int, shape: tuple[int, ...], device, dtype=torch.float32) -> torch.Tensor:

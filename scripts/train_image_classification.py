@@ -103,6 +103,10 @@ def fill_preprocessing(args) -> None:
     DeiT's (224, ImageNet mean/std, crop 0.875, bicubic). A pretrained model must see its own normalisation."""
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+    defaults = dict(image_size=224, image_mean=list(IMAGENET_DEFAULT_MEAN), image_std=list(IMAGENET_DEFAULT_STD),
+                    eval_crop_pct=0.875, interpolation="bicubic")
+    if all(getattr(args, name) is not None for name in defaults):  # filled already: nothing to read again
+        return
     saved = {}
     if args.model_name_or_path:
         from transformers import AutoConfig, AutoImageProcessor
@@ -117,8 +121,6 @@ def fill_preprocessing(args) -> None:
                          image_std=getattr(processor, "image_std", None),
                          eval_crop_pct=getattr(processor, "crop_pct", None),
                          interpolation=PIL_INTERPOLATION.get(int(getattr(processor, "resample", 3))))
-    defaults = dict(image_size=224, image_mean=list(IMAGENET_DEFAULT_MEAN), image_std=list(IMAGENET_DEFAULT_STD),
-                    eval_crop_pct=0.875, interpolation="bicubic")
     for name, default in defaults.items():
         if getattr(args, name) is None:
             value = saved.get(name)
@@ -211,7 +213,7 @@ def image_processor(args):
     to size / crop_pct, centre-crop, normalise (timm's DeiT evaluation)."""
     from transformers import ConvNextImageProcessor
 
-    fill_preprocessing(args)  # idempotent: values already set (by check_arguments) stay
+    fill_preprocessing(args)  # a no-op once check_arguments has filled them
     resample = {name: code for code, name in PIL_INTERPOLATION.items()}.get(args.interpolation, 3)
     return ConvNextImageProcessor(size={"shortest_edge": args.image_size}, crop_pct=args.eval_crop_pct,
                                   resample=resample, image_mean=list(args.image_mean),

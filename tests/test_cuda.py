@@ -10,7 +10,14 @@ from attnzoo import ZooReformerForCausalLM, ZooSoftmaxConfig, ZooSoftmaxForCausa
 from attnzoo.modeling.attention import Recomputation
 from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
-from tests.attention.helpers import HIDDEN, config, decoding_model, lm_config, padding_mask
+from tests.attention.helpers import (
+    HIDDEN,
+    assert_cached_decoding_equals_full_forward,
+    config,
+    decoding_model,
+    lm_config,
+    padding_mask,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -94,11 +101,4 @@ def test_reversible_backward_with_hashing_replays_buckets_dropout_and_autocast(a
 
 def test_cached_decoding_equals_the_full_forward():
     model = decoding_model(max_position_embeddings=64).to("cuda")
-    ids = torch.randint(2, 37, (2, 30), device="cuda")
-    full = model(ids, use_cache=False).logits
-    out = model(ids[:, :11], use_cache=True)
-    steps = [out.logits]
-    for t in range(11, 30):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-        steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
+    assert_cached_decoding_equals_full_forward(model, torch.randint(2, 37, (2, 30), device="cuda"), prefix=11)

@@ -218,11 +218,12 @@ class ZooTransformer(nn.Module):
         )
         # The recomputing backward would write a cache twice; with a cache (decoding) plain autograd is used.
         cached = block_kwargs["past_key_values"] is not None
-        if needs_grad and self.use_reversible_backward and all_hidden is None and not cached:
-            if torch.compiler.is_compiling():
-                # torch.compile cannot trace the recomputing backward (it captures RNG states and calls autograd
-                # inside backward); there each block is activation-checkpointed instead, which compile traces.
-                return self._checkpointed_streams(hidden, encoder_hidden_states, block_kwargs)
+        reversible_backward = needs_grad and self.use_reversible_backward and all_hidden is None and not cached
+        # torch.compile cannot trace the recomputing backward (it captures RNG states and calls autograd inside
+        # backward); there each block is activation-checkpointed instead, which compile traces: memory then grows with
+        # depth by two stream tensors per block instead of by all of a block's activations.
+        checkpointed = reversible_backward and torch.compiler.is_compiling()
+        if reversible_backward and not checkpointed:
             params = [p for p in self.blocks.parameters() if p.requires_grad]
             return ReversibleStackFunction.apply(self.blocks, block_kwargs, self.concat_streams, hidden,
                                                  encoder_hidden_states, *params)
@@ -231,24 +232,20 @@ class ZooTransformer(nn.Module):
         if all_hidden is not None and self.concat_streams:
             all_hidden[0] = self._merge(x1, x2)
         for block in self.blocks:
-            x1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
-            x2 = x2 + block.feed_forward_branch(x1)
+            if checkpointed:
+                x1, x2 = checkpoint(self._stream_step, block, x1, x2, encoder_hidden_states, block_kwargs,
+                                    use_reentrant=False)
+            else:
+                x1, x2 = self._stream_step(block, x1, x2, encoder_hidden_states, block_kwargs)
             if all_hidden is not None:
                 all_hidden.append(self._merge(x1, x2))
         return self._merge(x1, x2)
 
-    def _checkpointed_streams(self, hidden, encoder_hidden_states, block_kwargs):
-        """The two streams with each block's activations recomputed in the backward pass (torch.utils.checkpoint):
-        memory grows with depth by two stream tensors per block instead of by all of a block's activations."""
-
-        def block_step(block, x1, x2, context):
-            y1 = x1 + block.attention_branch(x2, context, **block_kwargs)
-            return y1, x2 + block.feed_forward_branch(y1)
-
-        x1 = x2 = hidden
-        for block in self.blocks:
-            x1, x2 = checkpoint(block_step, block, x1, x2, encoder_hidden_states, use_reentrant=False)
-        return self._merge(x1, x2)
+    @staticmethod
+    def _stream_step(block, x1, x2, encoder_hidden_states, block_kwargs):
+        """One reversible block: y1 = x1 + F(x2), y2 = x2 + G(y1)."""
+        y1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
+        return y1, x2 + block.feed_forward_branch(y1)
 
     def _merge(self, x1, x2):
         return torch.cat([x1, x2], dim=-1) if self.concat_streams else (x1 + x2) / 2

@@ -122,22 +122,40 @@ def _copy_without_lines(source: Path, dropped: set[int], target: Path) -> Path:
     return target
 
 
+def _bad_utf8_lines(path: str | Path) -> list[BadExample]:
+    """The lines of a file that are not UTF-8, read one line at a time (a CSV can be larger than memory)."""
+    bad = []
+    with Path(path).open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                bad.append(BadExample(f"{path}:{number}", f"not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                                          f"{err.start + 1}: {err.reason})"))
+    return bad
+
+
 @contextmanager
 def utf8_text_files(files: dict[str, str | Path], skip_bad: bool) -> Iterator[dict[str, str]]:
     """Delimited text files (CSV, TSV) checked to be UTF-8 before a `datasets` loader reads them (its own error names
-    neither file nor line): bytes that are not UTF-8 raise ValueError naming file and line; with `skip_bad`, the split
+    neither file nor line): lines that are not UTF-8 raise ValueError naming file and line; with `skip_bad`, the split
     is given as a copy without those lines, in a temporary folder that lives as long as the context."""
     clean: dict[str, str] = {}
     folder = None
     try:
         for split, path in files.items():
-            text = read_utf8_text(path, skip_bad)
-            if len(text.encode("utf-8")) == Path(path).stat().st_size:
+            bad = _bad_utf8_lines(path)
+            if not bad:
                 clean[split] = str(path)
                 continue
+            if not skip_bad:
+                raise ValueError(f"{_summary(bad)}. Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8), or "
+                                 f"{SKIP_HINT} (its lines that are not UTF-8).")
             folder = folder or Path(tempfile.mkdtemp(prefix="attnzoo-clean-"))
-            clean[split] = str(folder / f"{split}{Path(path).suffix}")
-            Path(clean[split]).write_text(text, encoding="utf-8")
+            clean[split] = str(_copy_without_lines(Path(path), {int(b.location.rsplit(":", 1)[1]) for b in bad},
+                                                   folder / f"{split}{Path(path).suffix}"))
+            logger.warning(f"skipped {len(bad)} line(s) of {path} that are not UTF-8 (--skip_bad_examples): "
+                           f"{_summary(bad)}")
         yield clean
     finally:
         if folder is not None:

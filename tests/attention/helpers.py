@@ -32,6 +32,24 @@ def decoding_model(**overrides):
     return ZooReformerForCausalLM(lm_config(**overrides)).double().eval()
 
 
+def assert_cached_decoding_equals_full_forward(model, ids, prefix: int, rtol=1e-9, atol=1e-10):
+    """Prefill `prefix` tokens, decode the rest one at a time with the cache: the logits equal one full forward."""
+    full = model(ids, use_cache=False).logits
+    out = model(ids[:, :prefix], use_cache=True)
+    steps = [out.logits]
+    for t in range(prefix, ids.shape[1]):
+        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=rtol, atol=atol)
+
+
+def scaled_qkv(n=12, seed=0, heads=1, batch=1, dim=8):
+    """Pre-scaled q̂, k̂ (and v) of the randomized attentions, [batch, heads, n, dim] float64, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, n, dim, generator=g, dtype=torch.float64) * dim ** -0.25 * 1.2
+            for _ in range(3)]
+
+
 def padding_mask(batch, length, left=2, right=2):
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[0, length - right:] = False

@@ -18,26 +18,15 @@ from attnzoo.modeling.attention.random_features import (
 )
 from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_omega
 from attnzoo.modeling.cache import ZooCache
-from tests.attention.helpers import assert_same_values_and_gradients
+from tests.attention.helpers import assert_same_values_and_gradients, scaled_qkv
 
 D = 8
-
-
-def qkv(n=12, seed=0, heads=1, batch=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, D, generator=g, dtype=torch.float64) * D ** -0.25 * 1.2 for _ in range(3)]
-
-
-def mc_check(samples_mean, samples_std, count, exact, sigmas=4.0):
-    stderr = samples_std / math.sqrt(count)
-    z = ((samples_mean - exact).abs() / stderr.clamp(min=1e-12))
-    return z.max()
 
 
 # -- RA is LARA with C = N and delta weights ------------------------------------------------------------------------
 def test_snis_core_with_delta_weights_gives_ra():
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
+    q_hat, k_hat, v = scaled_qkv()
     omega = sample_omega(q_hat, k_hat, None, "unbiased", 1, noise_std=1.0)
     ra = randomized_aggregate(omega, k_hat, v, None)
     samples = omega[:, :, :, 0]  # one sample per query: C = N
@@ -50,7 +39,7 @@ def test_snis_core_with_delta_weights_gives_ra():
 # -- LARA with zero means and the balance heuristic is Performer ----------------------------------------------------
 def test_lara_with_zero_means_and_balance_heuristic_is_performer():
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
+    q_hat, k_hat, v = scaled_qkv()
     omega = torch.randn(1, 1, 6, D, dtype=torch.float64)  # C = 6 samples from the proposals N(0, I)
     log_q, log_k = log_features_at(q_hat, omega), log_features_at(k_hat, omega)
     # μ_c = 0: every proposal density ratio is ξ(0, ω) = 1, so β_c = 1/C for all c.
@@ -195,7 +184,7 @@ def test_lara_evaluation_is_deterministic_and_gradients_reach_landmarks():
 
 def test_snis_output_has_correct_gradient_with_respect_to_the_proposal_means():
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv(n=6)
+    q_hat, k_hat, v = scaled_qkv(n=6)
     noise = torch.randn(1, 1, 3, D, dtype=torch.float64)
 
     def lara_of_mu(mu):

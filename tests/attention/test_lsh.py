@@ -21,6 +21,7 @@ from attnzoo.modeling.attention.lsh_hashing import (
 )
 from tests.attention.helpers import (
     HIDDEN,
+    assert_cached_decoding_equals_full_forward,
     assert_same_values_and_gradients,
     config,
     decoding_model,
@@ -231,13 +232,7 @@ def test_cached_decoding_equals_the_full_forward_with_real_hashing(correction):
     # the full forward gives the last token, in every layer.
     model = decoding_model(lsh_num_hashes_eval=3, lsh_duplicate_correction=correction)
     ids = torch.randint(2, 37, (2, 30))
-    full = model(ids, use_cache=False).logits
-    out = model(ids[:, :11], use_cache=True)
-    steps = [out.logits]
-    for t in range(11, 30):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-        steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
+    assert_cached_decoding_equals_full_forward(model, ids, prefix=11)
     # generate() with and without the cache, and the full forward, agree token for token
     kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
     cached = model.generate(ids[:, :9], use_cache=True, **kwargs)
@@ -353,11 +348,4 @@ def test_causal_threshold_is_per_position_in_fast_path_reference_and_decoding():
     x = torch.randn(2, 13, HIDDEN, dtype=torch.float64, requires_grad=True)
     assert_same_values_and_gradients(attn, x, None, *fast_and_reference(attn, x))
     model = decoding_model(lsh_full_attention_threshold=5)
-    ids = torch.randint(2, 37, (2, 16))
-    full = model(ids, use_cache=False).logits
-    out = model(ids[:, :2], use_cache=True)
-    steps = [out.logits]
-    for t in range(2, 16):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-        steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
+    assert_cached_decoding_equals_full_forward(model, torch.randint(2, 37, (2, 16)), prefix=2)

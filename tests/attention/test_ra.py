@@ -12,17 +12,13 @@ from attnzoo.modeling.attention import RandomizedAttention, softmax_attention_re
 from attnzoo.modeling.attention.base import allowed_keys
 from attnzoo.modeling.attention.counter_random import counter_uniform
 from attnzoo.modeling.attention.randomized import sample_index, sample_omega
-from tests.attention.helpers import assert_same_values_and_gradients
+from tests.attention.helpers import assert_same_values_and_gradients, scaled_qkv
 
 D = 8
 
 
-def qkv(n=12, seed=0, heads=1, batch=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, D, generator=g, dtype=torch.float64) * D ** -0.25 * 1.2 for _ in range(3)]
-
-
-def mc_check(samples_mean, samples_std, count, exact, sigmas=4.0):
+def mc_check(samples_mean, samples_std, count, exact):
+    """The largest |mean - exact| in standard errors of the Monte Carlo mean."""
     stderr = samples_std / math.sqrt(count)
     z = ((samples_mean - exact).abs() / stderr.clamp(min=1e-12))
     return z.max()
@@ -32,7 +28,7 @@ def mc_check(samples_mean, samples_std, count, exact, sigmas=4.0):
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "padded"])
 def test_ra_is_unbiased_with_paper_noise(mask_kind):
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
+    q_hat, k_hat, v = scaled_qkv()
     key_mask = torch.ones(1, 12, dtype=torch.bool)
     if mask_kind == "padded":
         key_mask[0, 9:] = False
@@ -51,7 +47,7 @@ def test_ra_is_unbiased_with_paper_noise(mask_kind):
 def test_official_noise_scale_makes_ra_biased():
     # The official code's noise, σ = d^(-1/4) in these coordinates, makes the estimator biased.
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
+    q_hat, k_hat, v = scaled_qkv()
     exact = softmax_attention_reference(q_hat * D ** 0.25, k_hat * D ** 0.25, v)
     omega = sample_omega(q_hat, k_hat, None, "unbiased", 40000, noise_std=D ** -0.25)
     per_draw = torch.softmax(omega @ k_hat.unsqueeze(2).transpose(-1, -2)
@@ -79,7 +75,7 @@ def ra_module(variant, **kw):
 
 def test_unbiased_ra_at_evaluation_has_no_noise_but_still_samples_the_index():
     torch.manual_seed(0)
-    q_hat, k_hat, _ = qkv()
+    q_hat, k_hat, _ = scaled_qkv()
     omega = sample_omega(q_hat, k_hat, None, "unbiased", 64, noise_std=0.0)
     offsets = (omega - q_hat.unsqueeze(3))[0, 0]  # each must be exactly one of the keys
     distance = (offsets.unsqueeze(-2) - k_hat[0, 0][None, None]).abs().sum(-1).min(-1).values
@@ -114,7 +110,7 @@ def test_seeded_evaluation_draws_follow_the_softmax_and_ignore_the_batch():
 
 def test_biased_ra_is_deterministic_at_evaluation_and_uses_the_mean_key():
     torch.manual_seed(0)
-    q_hat, k_hat, v = qkv()
+    q_hat, k_hat, v = scaled_qkv()
     omega = sample_omega(q_hat, k_hat, None, "biased", 1, noise_std=0.0)
     pi = (q_hat @ k_hat.transpose(-1, -2)).softmax(-1)
     torch.testing.assert_close(omega[:, :, :, 0], q_hat + pi @ k_hat)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from attnzoo.transformers_compat import output_cache
+
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import run_worker, sync, timed_step_with_peak  # noqa: E402
 
@@ -87,12 +89,12 @@ def worker_decode(impl: str, context: int, device: str, repeats: int) -> dict:
     model = zoo_model(impl, context + repeats + 8, positions="sinusoidal").to(device).eval()
     ids = torch.randint(0, VOCAB, (1, context), device=device)
     out = model(ids, use_cache=True)  # prefill
-    cache, next_id = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    cache, next_id = output_cache(out), out.logits[:, -1:].argmax(-1)
     times = []
     for i in range(repeats + 3):
         sync(device)
         start = time.perf_counter()
-        out = model(next_id, past_key_values=cache, use_cache=True)
+        out = model(next_id, cache=cache, use_cache=True)
         next_id = out.logits[:, -1:].argmax(-1)
         sync(device)
         if i >= 3:  # warm-up steps

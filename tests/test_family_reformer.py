@@ -6,6 +6,7 @@ import torch
 from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
+from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import HIDDEN, config, lm_config
 from tests.family_suite import FamilySuite
 
@@ -82,7 +83,7 @@ def test_generate_builds_our_cache_despite_reformer_in_the_class_name():
     model = TestReformerFamily().build("ForCausalLM").eval()
     out = model.generate(torch.randint(2, 50, (1, 6)), max_new_tokens=3, do_sample=False, pad_token_id=0,
                          return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, ZooCache) and cache.get_seq_length() == 8
     assert [type(layer) for layer in cache.layers] == [TokenBufferLayer, TokenBufferLayer]
 

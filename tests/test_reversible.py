@@ -3,6 +3,7 @@
 import torch
 
 from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+from attnzoo.transformers_compat import enable_activation_checkpointing, output_cache
 
 
 def build(depth, reversible, **kw):
@@ -65,7 +66,22 @@ def test_gradient_checkpointing_on_the_standard_stack_matches():
     model(ids, labels=ids).loss.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
+    assert all(block.gradient_checkpointing for block in model.model.transformer.blocks)
     model(ids, labels=ids).loss.backward()
     for p, g in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, g)
+
+
+def test_a_cache_is_left_out_while_blocks_are_checkpointed():
+    """A checkpointed block is run twice (forward, then again in the backward pass): a cache would be written twice.
+    attnzoo drops it itself, on every transformers version (the keyword transformers' own layer nulls was renamed)."""
+    ids = torch.randint(0, 50, (2, 20))
+    model = build(2, False).double()
+    enable_activation_checkpointing(model)
+    model.train()
+    out = model(ids, labels=ids, use_cache=True)
+    out.loss.backward()
+    assert output_cache(out).get_seq_length() == 0  # returned untouched: nothing was written into it
+    model.eval()
+    assert output_cache(model(ids, use_cache=True)).get_seq_length() == 20  # evaluation caches as usual

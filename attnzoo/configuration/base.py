@@ -14,6 +14,7 @@ import math
 from transformers import PreTrainedConfig
 
 from attnzoo.remote_code import auto_map, write_remote_code
+from attnzoo.transformers_compat import CACHE_NAMES
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
@@ -69,6 +70,8 @@ class ZooConfig(PreTrainedConfig):
     """
 
     model_type = "attnzoo"
+    # Outputs the Trainer leaves out of evaluation predictions: the decoding cache, under every name it has had.
+    keys_to_ignore_at_inference = list(CACHE_NAMES)
 
     vocab_size: int = 256
     hidden_size: int = 256

@@ -15,10 +15,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging
 
 from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, build_attention
 from attnzoo.modeling.embeddings import PositionEmbedding
 from attnzoo.modeling.reversible import ReversibleStackFunction
+from attnzoo.transformers_compat import drops_cache_under_checkpointing
+
+logger = logging.get_logger(__name__)
 
 
 def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
@@ -60,15 +64,15 @@ class ZooBlock(GradientCheckpointingLayer):
     def _residual(self, x):
         return drop_path(self.dropout(x), self.drop_path_rate, self.training)
 
-    def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, past_key_values=None,
+    def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, cache=None,
                          encoder_attention_mask=None, recompute=None):
         """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention.
         `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py)."""
-        self_cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, past_key_values=self_cache,
+        self_cache = getattr(cache, "self_attention_cache", cache)
+        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache,
                                        recompute=recompute))
         if self.cross_attn is not None:
-            cross_cache = past_key_values if hasattr(past_key_values, "cross_attention_cache") else None
+            cross_cache = cache if hasattr(cache, "cross_attention_cache") else None
             cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
                                     cross_cache)
             out = out + self._residual(cross)
@@ -167,10 +171,14 @@ class ZooTransformer(nn.Module):
         for block in self.blocks:
             block.attn.set_image_layout(grid_size, class_token)
 
-    def forward(self, inputs_embeds, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, inputs_embeds, attention_mask=None, position_ids=None, cache=None,
                 encoder_hidden_states=None, encoder_attention_mask=None, output_hidden_states=False):
         batch, length = inputs_embeds.shape[:2]
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache is not None and drops_cache_under_checkpointing(self.blocks, self.training):
+            logger.warning_once("the cache is not used while activation checkpointing recomputes the blocks "
+                                "(it would be written twice); the forward runs without it.")
+            cache = None
+        past_length = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.shape[-1] != past_length + length:
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but there are {past_length} cached and "
@@ -189,7 +197,7 @@ class ZooTransformer(nn.Module):
             if isinstance(block.attn, DrawsPerForward):
                 block.attn.start_forward()
 
-        block_kwargs = dict(attention_mask=attention_mask, past_key_values=past_key_values,
+        block_kwargs = dict(attention_mask=attention_mask, cache=cache,
                             encoder_attention_mask=encoder_attention_mask)
         all_hidden = [hidden] if output_hidden_states else None
         if self.reversible:
@@ -217,7 +225,7 @@ class ZooTransformer(nn.Module):
             hidden.requires_grad or any(p.requires_grad for p in self.blocks.parameters())
         )
         # The recomputing backward would write a cache twice; with a cache (decoding) plain autograd is used.
-        cached = block_kwargs["past_key_values"] is not None
+        cached = block_kwargs["cache"] is not None
         reversible_backward = needs_grad and self.use_reversible_backward and all_hidden is None and not cached
         # torch.compile cannot trace the recomputing backward (it captures RNG states and calls autograd inside
         # backward); there each block is activation-checkpointed instead, which compile traces: memory then grows with

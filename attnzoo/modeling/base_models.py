@@ -17,6 +17,7 @@ from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
 from attnzoo.remote_code import auto_map, family_model_classes, write_remote_code
+from attnzoo.transformers_compat import GenerationHooks, take_cache, with_cache
 
 
 def as_output(output, return_dict, config):
@@ -26,7 +27,7 @@ def as_output(output, return_dict, config):
     return output if return_dict else output.to_tuple()
 
 
-class ZooPreTrainedModel(PreTrainedModel):
+class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
     config_class = ZooConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
@@ -59,26 +60,10 @@ class ZooPreTrainedModel(PreTrainedModel):
                                 **auto_map(type(self.config), classes)}
         return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        # Each layer's attention decides its cache slot: generate() must not build a plain DynamicCache.
-        return False
-
     def new_decoding_cache(self):
         """An empty cache for incremental decoding (generative heads override this)."""
         raise ValueError(f"{type(self).__name__} does not decode incrementally; use a ForCausalLM or "
                          "ForConditionalGeneration model.")
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() hook: put the model's own cache into `model_kwargs` before decoding starts, as it does with a
-        DynamicCache for standard models, so that every decoding strategy (assisted and prompt-lookup decoding too)
-        finds one. A cache the user passed, or `use_cache=False`, is left to transformers."""
-        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
-            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
-                             f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
-        model_kwargs["past_key_values"] = self.new_decoding_cache()
 
 
 class ZooModel(ZooPreTrainedModel):
@@ -97,7 +82,8 @@ class ZooModel(ZooPreTrainedModel):
         self.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                past_key_values=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+                cache=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+        cache = take_cache(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
@@ -108,16 +94,16 @@ class ZooModel(ZooPreTrainedModel):
             use_cache = self.config.use_cache and self.config.is_decoder and not self.training
         if use_cache and not self.config.is_decoder:
             raise ValueError("use_cache=True needs a decoder; build the model with is_decoder=True.")
-        if use_cache and past_key_values is None:
-            past_key_values = ZooCache.for_transformer(self.transformer)
+        if use_cache and cache is None:
+            cache = ZooCache.for_transformer(self.transformer)
         output_hidden_states = output_hidden_states if output_hidden_states is not None else \
             self.config.output_hidden_states
         hidden, all_hidden = self.transformer(
             inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values if use_cache else None, output_hidden_states=output_hidden_states,
+            cache=cache if use_cache else None, output_hidden_states=output_hidden_states,
         )
-        out = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values if use_cache else None,
-                                      hidden_states=all_hidden)
+        out = with_cache(BaseModelOutputWithPast, cache if use_cache else None, last_hidden_state=hidden,
+                         hidden_states=all_hidden)
         return as_output(out, return_dict, self.config)
 
 

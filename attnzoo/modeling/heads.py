@@ -29,6 +29,7 @@ from attnzoo.modeling.base_models import (
 )
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
 from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
+from attnzoo.transformers_compat import output_cache, take_cache, with_cache
 
 
 def _logits_as_given(logits):
@@ -81,10 +82,10 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         return ZooCache.for_transformer(self.model.transformer)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                past_key_values=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
+                cache=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
                 logits_to_keep: int = 0, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, past_key_values=past_key_values, use_cache=use_cache,
+                         inputs_embeds=inputs_embeds, cache=take_cache(cache, kwargs), use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True)
         hidden = out.last_hidden_state
         loss = logits = None
@@ -95,8 +96,8 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
                 loss = causal_lm_loss(logits, labels, _logits_as_given, 0, num_items_in_batch)
             else:
                 loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size, num_items_in_batch)
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                        hidden_states=out.hidden_states)
+        result = with_cache(CausalLMOutputWithPast, output_cache(out), loss=loss, logits=logits,
+                            hidden_states=out.hidden_states)
         return as_output(result, return_dict, self.config)
 
 
@@ -286,8 +287,9 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
         return new_encoder_decoder_cache(self.decoder)
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
-                encoder_outputs=None, past_key_values=None, labels=None, use_cache=None, output_hidden_states=None,
+                encoder_outputs=None, cache=None, labels=None, use_cache=None, output_hidden_states=None,
                 return_dict=None, num_items_in_batch=None, skip_logits: bool | None = None, **kwargs):
+        cache = take_cache(cache, kwargs)
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            output_hidden_states=output_hidden_states)
@@ -300,11 +302,11 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
                                                    self.config.decoder_start_token_id)
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
-        if use_cache and past_key_values is None:
-            past_key_values = new_encoder_decoder_cache(self.decoder)
+        if use_cache and cache is None:
+            cache = new_encoder_decoder_cache(self.decoder)
         hidden, decoder_hidden = self.decoder(
             self.encoder.embed_tokens(decoder_input_ids), attention_mask=decoder_attention_mask,
-            past_key_values=past_key_values if use_cache else None,
+            cache=cache if use_cache else None,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
             output_hidden_states=bool(output_hidden_states),
         )
@@ -317,8 +319,8 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
             else:
                 loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
                                            num_items_in_batch)
-        out = Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
-                              decoder_hidden_states=decoder_hidden,
-                              encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-                              encoder_hidden_states=encoder_outputs.hidden_states)
+        out = with_cache(Seq2SeqLMOutput, cache if use_cache else None, loss=loss, logits=logits,
+                         decoder_hidden_states=decoder_hidden,
+                         encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+                         encoder_hidden_states=encoder_outputs.hidden_states)
         return as_output(out, return_dict, self.config)

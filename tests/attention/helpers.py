@@ -7,6 +7,7 @@ import torch
 
 from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation
+from attnzoo.transformers_compat import output_cache
 
 HIDDEN = 16
 
@@ -38,7 +39,7 @@ def assert_cached_decoding_equals_full_forward(model, ids, prefix: int, rtol=1e-
     out = model(ids[:, :prefix], use_cache=True)
     steps = [out.logits]
     for t in range(prefix, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(ids[:, t:t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=rtol, atol=atol)
 

@@ -11,6 +11,7 @@ from attnzoo import ZooPerformerConfig, ZooPerformerForCausalLM
 from attnzoo.modeling.attention import EluAttention, FavorAttention, InitialisesBuffers
 from attnzoo.modeling.attention.random_features import elu_features
 from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache
+from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import assert_same_values_and_gradients
 
 
@@ -52,9 +53,9 @@ def test_decoding_from_the_recurrent_state_equals_the_parallel_form(kind):
     mask[1, :3] = 0
     full = attn(x, attention_mask=mask)
     cache = ZooCache([attn.new_cache_layer()])
-    pieces = [attn(x[:, :5], attention_mask=mask[:, :5], past_key_values=cache)]  # prefill
-    pieces += [attn(x[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache) for t in range(5, 9)]
-    pieces.append(attn(x[:, 9:], attention_mask=mask, past_key_values=cache))  # a multi-token continuation
+    pieces = [attn(x[:, :5], attention_mask=mask[:, :5], cache=cache)]  # prefill
+    pieces += [attn(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache) for t in range(5, 9)]
+    pieces.append(attn(x[:, 9:], attention_mask=mask, cache=cache))  # a multi-token continuation
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-10, atol=1e-12)
     assert cache.get_seq_length() == 14
@@ -139,9 +140,9 @@ def test_generation_uses_one_projection_even_in_training_mode():
     ids = torch.randint(0, 50, (1, 6))
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        layer = out.past_key_values.layers[0]
+        layer = output_cache(out).layers[0]
         first = layer.shared["projection"]
-        model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+        model(ids[:, -1:], cache=output_cache(out), use_cache=True)
     assert layer.shared["projection"] is first and isinstance(layer, RecurrentStateLayer)
 
 

@@ -217,9 +217,9 @@ def test_causal_lara_recurrent_decoding_equals_parallel(weighting):
     mask[1, :4] = 0  # left padding: row 1's chunks start 4 positions later
     full = module(x, attention_mask=mask)
     cache = ZooCache([module.new_cache_layer()])
-    pieces = [module(x[:, :5], attention_mask=mask[:, :5], past_key_values=cache)]
-    pieces += [module(x[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache) for t in range(5, 14)]
-    pieces.append(module(x[:, 14:], attention_mask=mask, past_key_values=cache))
+    pieces = [module(x[:, :5], attention_mask=mask[:, :5], cache=cache)]
+    pieces += [module(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache) for t in range(5, 14)]
+    pieces.append(module(x[:, 14:], attention_mask=mask, cache=cache))
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], rtol=1e-10, atol=1e-12)
 

@@ -19,6 +19,7 @@ from attnzoo.modeling.attention.lsh_hashing import (
     normalize_keys,
     sort_by_bucket,
 )
+from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     HIDDEN,
     assert_cached_decoding_equals_full_forward,
@@ -246,12 +247,12 @@ def test_multi_token_steps_and_crop_keep_decoding_exact():
     ids = torch.randint(2, 37, (2, 24))
     full = model(ids, use_cache=False).logits
     out = model(ids[:, :10], use_cache=True)
-    cache = out.past_key_values
-    logits = model(ids[:, 10:15], past_key_values=cache, use_cache=True).logits  # five tokens at once
+    cache = output_cache(out)
+    logits = model(ids[:, 10:15], cache=cache, use_cache=True).logits  # five tokens at once
     torch.testing.assert_close(logits, full[:, 10:15], rtol=1e-9, atol=1e-10)
     cache.crop(-3)  # back to 12 tokens, then decode them again
     assert cache.get_seq_length() == 12
-    logits = model(ids[:, 12:24], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[:, 12:24], cache=cache, use_cache=True).logits
     torch.testing.assert_close(logits, full[:, 12:24], rtol=1e-9, atol=1e-10)
 
 
@@ -259,8 +260,8 @@ def test_decoding_cost_per_token_is_bounded():
     model = decoding_model()
     out = model(torch.randint(2, 37, (1, 40)), use_cache=True)
     for _ in range(3):
-        out = model(torch.randint(2, 37, (1, 1)), past_key_values=out.past_key_values, use_cache=True)
-    local_layer, lsh_layer = out.past_key_values.layers
+        out = model(torch.randint(2, 37, (1, 1)), cache=output_cache(out), use_cache=True)
+    local_layer, lsh_layer = output_cache(out).layers
     local = model.model.transformer.blocks[0].attn
     index, _ = local.decode_window(local_layer, 1)
     assert index.shape[-1] == (1 + 1) * 4  # a new token reads only its window's keys, whatever the context
@@ -330,11 +331,11 @@ def test_cache_batch_utilities_keep_decoding_exact():
     model = decoding_model()
     ids = torch.randint(2, 37, (2, 20))
     full = model(ids, use_cache=False).logits
-    cache = model(ids[:, :12], use_cache=True).past_key_values
+    cache = output_cache(model(ids[:, :12], use_cache=True))
     cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
     cache.reorder_cache(torch.tensor([3, 2, 1, 0]))  # rows 1, 1, 0, 0
     cache.batch_select_indices(torch.tensor([0, 2]))  # rows 1, 0
-    logits = model(ids[[1, 0], 12:], past_key_values=cache, use_cache=True).logits
+    logits = model(ids[[1, 0], 12:], cache=cache, use_cache=True).logits
     torch.testing.assert_close(logits, full[[1, 0], 12:], rtol=1e-9, atol=1e-10)
     cache.reset()
     assert cache.get_seq_length() == 0

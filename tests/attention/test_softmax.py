@@ -85,7 +85,7 @@ def test_cached_incremental_equals_full(step):
     x = torch.randn(2, 12, 32, dtype=torch.double)
     full = attn(x)
     cache = ZooCache([attn.new_cache_layer()])
-    pieces = [attn(x[:, i:i + step], past_key_values=cache) for i in range(0, 12, step)]
+    pieces = [attn(x[:, i:i + step], cache=cache) for i in range(0, 12, step)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     assert cache.get_seq_length() == 12
 

@@ -4,14 +4,14 @@ An attention module is built as `cls(config, layer_idx, causal)` and called as
 
     out = attn(hidden_states,               # [batch, query_len, hidden_size]
                attention_mask=None,         # bool [batch, past_len + query_len], True = a real token
-               past_key_values=None,        # a transformers `Cache`; this layer's slot is `layer_idx`
+               cache=None,                  # a transformers `Cache`; this layer's slot is `layer_idx`
                recompute=None)              # a `Recomputation` inside a reversible stack (see below)
 
 and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
 - `attention_mask` covers every key the query can see: cached ones first, then the current ones. Padded keys are
   never attended to; outputs at padded query positions are finite but meaningless.
 - `causal` modules let a query see only keys at or before its own position.
-- With a cache the module reads and extends `past_key_values.layers[layer_idx]`, the slot it created with
+- With a cache the module reads and extends `cache.layers[layer_idx]`, the slot it created with
   `new_cache_layer()`. Cache slots only store (see `attnzoo/modeling/cache.py`); the module computes, so decoding
   logic lives next to the forward it must equal.
 - Randomness (hash rotations, random features, samples) comes from explicit generators or the global RNG, never
@@ -112,9 +112,9 @@ class ZooAttention(nn.Module):
         """The `CacheLayerMixin` that holds this layer's decoding state."""
         raise NotImplementedError(f"attention {self.name!r} does not support incremental decoding")
 
-    def cache_slot(self, past_key_values):
+    def cache_slot(self, cache):
         """This layer's slot of a cache, or None without one."""
-        return past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+        return cache.layers[self.layer_idx] if cache is not None else None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape

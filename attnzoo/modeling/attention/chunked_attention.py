@@ -32,13 +32,13 @@ class ChunkedAttention(ZooAttention):
     def dropout_rate(self) -> float:
         return self.dropout if self.training else 0.0
 
-    def cached_inputs(self, hidden_states, attention_mask, past_key_values):
-        """(this layer's cache slot or None, the number of cached tokens, the bool key mask over cached + new
+    def cached_inputs(self, hidden_states, attention_mask, cache):
+        """(this layer's slot of `cache` or None, the number of cached tokens, the bool key mask over cached + new
         tokens or None)."""
         batch, length, _ = hidden_states.shape
-        cache = self.cache_slot(past_key_values)
-        past = cache.get_seq_length() if cache is not None else 0
-        return cache, past, check_attention_mask(attention_mask, batch, past + length)
+        slot = self.cache_slot(cache)
+        past = slot.get_seq_length() if slot is not None else 0
+        return slot, past, check_attention_mask(attention_mask, batch, past + length)
 
     @staticmethod
     def all_real(key_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:

@@ -56,10 +56,10 @@ class KernelAttention(ZooAttention):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         return (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape
-        layer = self.cache_slot(past_key_values)
+        layer = self.cache_slot(cache)
         if layer is not None and not self.causal:
             raise ValueError("a cache is only used by causal (decoder) attention.")
         past = layer.get_seq_length() if layer is not None else 0
@@ -90,7 +90,7 @@ class KernelAttention(ZooAttention):
         layer.store(phi_q.shape[2], s=s, z=z, m=m)
         return out
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
         """The masked quadratic form over the same features (no cache)."""
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape

@@ -48,18 +48,18 @@ class LocalAttention(ChunkedAttention):
         return (self.split_heads(self.query(hidden_states)), self.split_heads(self.key(hidden_states)),
                 self.split_heads(self.value(hidden_states)))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
-        cache, past, key_mask = self.cached_inputs(hidden_states, attention_mask, past_key_values)
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+        slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
         q, k, v = self._project(hidden_states)
         if past > 0:
-            out = self._decode(q, k, v, key_mask, cache)
+            out = self._decode(q, k, v, key_mask, slot)
         else:
             # On a reversible recomputation the backward follows at once: keeping the probabilities costs no peak
             # memory and saves recomputing them.
             out = self._attend(q, k, v, key_mask, save_probs=recompute is not None and recompute.replaying)
-            if cache is not None:
+            if slot is not None:
                 valid = self.all_real(key_mask, *hidden_states.shape[:2], q.device)
-                cache.start({"keys": (k, 2), "values": (v, 2), "valid": (valid, 1)}, lead=leading_padding(valid))
+                slot.start({"keys": (k, 2), "values": (v, 2), "valid": (valid, 1)}, lead=leading_padding(valid))
         return self.output(self.merge_heads(out))
 
     def _attend(self, q, k, v, key_mask, save_probs=False):
@@ -125,7 +125,7 @@ class LocalAttention(ChunkedAttention):
         start = lead + (torch.div(query_index - lead, m, rounding_mode="floor") - before) * m  # [B, n]
         return start[..., None] + torch.arange((before + 1) * m, device=device), query_index
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
         """Dense [L, L] masks: key j is allowed to query i when its chunk (counted from the row's first real
         token) is at most `before` chunks back / `after` ahead of i's, j is real, and (causal) j <= i."""
         batch, length, _ = hidden_states.shape

@@ -104,13 +104,13 @@ class LSHAttention(ChunkedAttention):
 
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
-        cache, past, key_mask = self.cached_inputs(hidden_states, attention_mask, past_key_values)
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+        slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
         qk, v = self._project(hidden_states)
         if past > 0:
-            out = self._decode(qk, v, None if key_mask is None else key_mask[:, past:], cache)
+            out = self._decode(qk, v, None if key_mask is None else key_mask[:, past:], slot)
         else:
-            out = self._attend(qk, v, key_mask, recompute, cache)
+            out = self._attend(qk, v, key_mask, recompute, slot)
         return self.output(self.merge_heads(out))
 
     def _attend(self, qk, v, key_mask, recompute, cache):
@@ -307,7 +307,7 @@ class LSHAttention(ChunkedAttention):
         return torch.softmax(scores, dim=-1).unsqueeze(2) @ values
 
     # -- reference ------------------------------------------------------------------------------------------
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
         """The same attention written out with dense [L, L] masks per round (no chunk layout, no sort tricks), and
         the duplicate correction as the paper writes it: every score lowered by log(number of rounds in which the
         key is a candidate of the query) (Appendix A).

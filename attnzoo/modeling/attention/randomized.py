@@ -83,11 +83,11 @@ class RandomizedAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
-    def _inputs(self, hidden_states, attention_mask, past_key_values):
+    def _inputs(self, hidden_states, attention_mask, cache):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         scale = self.head_dim ** -0.25
@@ -115,15 +115,15 @@ class RandomizedAttention(ZooAttention):
         return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
                             self.noise_std if self.training else 0.0, uniform)
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, past_key_values)
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)
         out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
         """The same draws, with f written as the ratio of the mixture's densities, query factor included:
         f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, past_key_values)
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)
         omega = self.sample_omega(q_hat, k_hat, allowed, key_mask)
         xi_q = torch.exp((omega * q_hat.unsqueeze(3)).sum(-1) - 0.5 * (q_hat * q_hat).sum(-1, keepdim=True))
         xi_k = torch.exp(torch.einsum("bhnsd,bhmd->bhnsm", omega, k_hat) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None,

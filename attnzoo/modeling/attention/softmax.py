@@ -44,16 +44,16 @@ class SoftmaxAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
-    def _project(self, hidden_states, past_key_values):
+    def _project(self, hidden_states, cache):
         q = self.split_heads(self.q_proj(hidden_states))
         k = self.split_heads(self.k_proj(hidden_states))
         v = self.split_heads(self.v_proj(hidden_states))
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         return q, k, v
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
-        q, k, v = self._project(hidden_states, past_key_values)
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+        q, k, v = self._project(hidden_states, cache)
         query_len, key_len = q.shape[2], k.shape[2]
         key_mask = check_attention_mask(attention_mask, q.shape[0], key_len)
         # Without padding and with no cached prefix, SDPA's is_causal path needs no mask tensor at all.
@@ -63,8 +63,8 @@ class SoftmaxAttention(ZooAttention):
         out = _sdpa(q, k, v, allowed, causal_flag, self.dropout if self.training else 0.0)
         return self.o_proj(self.merge_heads(out))
 
-    def reference_forward(self, hidden_states, attention_mask=None, past_key_values=None, recompute=None):
-        q, k, v = self._project(hidden_states, past_key_values)
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+        q, k, v = self._project(hidden_states, cache)
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         return self.o_proj(self.merge_heads(softmax_attention_reference(q, k, v, allowed)))
@@ -93,17 +93,17 @@ class SoftmaxCrossAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask=None, past_key_values=None):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask=None, cache=None):
         q = self._heads(self.q_proj(hidden_states))
-        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx, False):
-            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]
+        if cache is not None and cache.is_updated.get(self.layer_idx, False):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]
             k, v = layer.keys, layer.values
         else:
             k = self._heads(self.k_proj(encoder_hidden_states))
             v = self._heads(self.v_proj(encoder_hidden_states))
-            if past_key_values is not None:
-                k, v = past_key_values.cross_attention_cache.update(k, v, self.layer_idx)
-                past_key_values.is_updated[self.layer_idx] = True
+            if cache is not None:
+                k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+                cache.is_updated[self.layer_idx] = True
         key_mask = check_attention_mask(encoder_attention_mask, q.shape[0], k.shape[2])
         allowed = None if key_mask is None else key_mask[:, None, None, :]
         out = _sdpa(q, k, v, allowed, False, self.dropout if self.training else 0.0)

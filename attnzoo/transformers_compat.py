@@ -1,0 +1,112 @@
+"""Every point where attnzoo depends on how transformers works inside, kept in this one module.
+
+Each choice is made by detecting a feature of the transformers that is imported, never by comparing version
+numbers: a checkpoint's remote code carries this file, so it adapts to the *user's* transformers, which may be newer
+or older than the one the checkpoint was saved with. The supported range is pyproject's; CI runs its two ends.
+
+What lives here, and why:
+- **The cache's name.** transformers 5.24 renamed the cache everywhere at once, from `past_key_values` to `cache`:
+  the keyword `generate()` passes to `forward`, the `ModelOutput` field it reads back, and `model_kwargs`. A forward
+  that takes only the old name silently drops the cache and decodes every step from the new token alone. `CACHE_KW`
+  is the name of the installed version; `take_cache` accepts any of the names in a forward, `with_cache` writes an
+  output under the current one and `output_cache` reads it back.
+- **The generation hooks** that hand `generate()` the model's own cache (`GenerationHooks`).
+- **Activation checkpointing**: the method that enables it was renamed in 5.23 (`enable_activation_checkpointing`),
+  and `GradientCheckpointingLayer` nulls a differently named cache keyword in each release, so attnzoo drops the
+  cache itself while blocks are checkpointed (`drops_cache_under_checkpointing`).
+- **The Trainer's inference keys** (`CACHE_NAMES`): the outputs the Trainer must not gather during evaluation.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+#: every name transformers has given the cache, as a forward keyword and as an output field (current one first)
+CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+
+
+def _detect_cache_keyword() -> str:
+    """The name under which the installed transformers passes the cache to `forward` and reads it from outputs.
+    Outputs and `prepare_inputs_for_generation` were renamed together; if they ever disagree, guessing would decode
+    silently wrong, so importing fails instead."""
+    in_outputs = next(name for name in CACHE_NAMES[:2] if name in BaseModelOutputWithPast.__dataclass_fields__)
+    passed = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    if in_outputs not in passed:
+        raise ImportError(
+            f"this transformers names the cache {in_outputs!r} in its outputs but "
+            f"prepare_inputs_for_generation takes {[n for n in CACHE_NAMES if n in passed]}; attnzoo cannot tell "
+            "which name generate() uses. Install a transformers release inside attnzoo's supported range "
+            "(pyproject.toml)."
+        )
+    return in_outputs
+
+
+#: the keyword `generate()` passes the cache under, and the output field it reads it back from
+CACHE_KW = _detect_cache_keyword()
+
+
+def take_cache(cache, kwargs: dict):
+    """The cache a forward was given under any of its names: `cache` (the forward's own parameter), or
+    `past_key_values` / `cache_params` left in its `**kwargs` (removed from them, so nothing passes them on).
+    Two different caches at once are refused rather than one of them silently ignored."""
+    given = {"cache": cache} if cache is not None else {}
+    for name in CACHE_NAMES[1:]:
+        value = kwargs.pop(name, None)
+        if value is not None:
+            given[name] = value
+    if len({id(value) for value in given.values()}) > 1:
+        raise ValueError(f"two different caches were passed ({', '.join(given)}); pass one, as `cache=`.")
+    return next(iter(given.values()), None)
+
+
+def with_cache(output_class, cache, **fields):
+    """`output_class(**fields)` (a transformers `ModelOutput`) with `cache` under the installed version's field name.
+    A missing cache is left out rather than set to None: beam search raises on a cache key whose value is None."""
+    if cache is not None:
+        fields[CACHE_KW] = cache
+    return output_class(**fields)
+
+
+def output_cache(output):
+    """The cache a model output holds (None without one), whatever transformers calls the field."""
+    return output.get(CACHE_KW)
+
+
+def enable_activation_checkpointing(model, **kwargs) -> None:
+    """Turn on activation (gradient) checkpointing: `activation_checkpointing_enable` where transformers has it
+    (5.23 and later, where the older name is deprecated), `gradient_checkpointing_enable` before."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(**kwargs)
+
+
+def drops_cache_under_checkpointing(blocks, training: bool) -> bool:
+    """Whether a forward must run without its cache: some block recomputes its forward in the backward pass
+    (activation checkpointing, set by transformers on each `GradientCheckpointingLayer` as `gradient_checkpointing`),
+    which would write the cache twice. transformers' layer nulls the cache itself, but under a keyword name that
+    changed between releases, so attnzoo decides here, by the same rule (training with gradients)."""
+    return training and torch.is_grad_enabled() and any(getattr(b, "gradient_checkpointing", False) for b in blocks)
+
+
+class GenerationHooks:
+    """The `GenerationMixin` hooks through which `generate()` gets the model's own cache, mixed into every attnzoo
+    model. The model provides `new_decoding_cache()`."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # Each layer's attention decides its cache slot: generate() must not build a plain DynamicCache.
+        return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Put the model's own cache into `model_kwargs` before decoding starts, as generate() does with a
+        DynamicCache for standard models, so that every decoding strategy (assisted and prompt-lookup decoding too)
+        finds one. A cache the user passed, or `use_cache=False`, is left to transformers."""
+        if model_kwargs.get(CACHE_KW) is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
+                             f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
+        model_kwargs[CACHE_KW] = self.new_decoding_cache()

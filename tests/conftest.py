@@ -5,12 +5,22 @@ imports triton (transformers and torch may): this root conftest is imported befo
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    """The scripts set torch's thread count (attnzoo/training/threads.py); a later test must not inherit it (its
+    results would round differently from a subprocess's)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +34,16 @@ def fresh_accelerate_state():
     GradientState._reset_state()
 
 
+def _attnzoo_on_stack() -> bool:
+    """Whether attnzoo's code (the package, or a checkpoint's remote-code copy) is among the callers."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(("attnzoo", "transformers_modules")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _DeprecationRecords(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -31,15 +51,16 @@ class _DeprecationRecords(logging.Handler):
 
     def emit(self, record):
         message = record.getMessage()
-        if "deprecat" in message.lower():
+        if "deprecat" in message.lower() and _attnzoo_on_stack():
             self.messages.append(f"{record.name}: {message}")
 
 
 @pytest.fixture(autouse=True)
 def no_transformers_deprecation_logged():
     """transformers announces some deprecations through its logger rather than `warnings` (reading an output's
-    `past_key_values` on 5.24, say): any such message during a test fails it, as pyproject's `filterwarnings` does for
-    warnings. A test that exercises a deprecated spelling on purpose clears `handler.messages` itself."""
+    `past_key_values` on 5.24, say): such a message logged while attnzoo's code is running fails the test, as
+    pyproject's `filterwarnings` does for warnings. (Deprecations transformers logs about its own internal calls, e.g.
+    assisted decoding's call of the assistant's generate(), are not attnzoo's.)"""
     handler = _DeprecationRecords()
     logger = logging.getLogger("transformers")
     logger.addHandler(handler)

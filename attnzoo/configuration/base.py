@@ -42,6 +42,8 @@ class ZooConfig(PreTrainedConfig):
         max_position_embeddings: longest sequence the position embeddings cover.
         hidden_dropout_prob / attention_probs_dropout_prob: dropout after each sub-layer / on attention weights.
         drop_path_rate: stochastic depth, linearly increased over the layers (DeiT).
+        attention_bias / lm_head_bias: biases in the attention projections / in the language-model head (off by
+            default; transformers' Reformer has one in its head from 5.24 on, which its converter carries).
         classifier_dropout: dropout before a classification head (defaults to `hidden_dropout_prob`).
         attn_layers: attention kind per layer, names from `attnzoo.ATTENTION_REGISTRY`; a shorter list repeats to
             `num_hidden_layers` (e.g. `["local", "lsh"]`).
@@ -87,6 +89,7 @@ class ZooConfig(PreTrainedConfig):
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     attention_bias: bool = True
+    lm_head_bias: bool = False
 
     attn_layers: list[str] | tuple[str, ...] = ("full",)
     is_decoder: bool = False

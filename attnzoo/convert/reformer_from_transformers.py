@@ -25,8 +25,11 @@ wrap (Reformer, arXiv 2001.04451, §2).
 Dropout sits in slightly different places (transformers also drops inside the feed-forward, on the word embeddings
 before the positions are added and after the final LayerNorm), which matters only when fine-tuning with dropout.
 
-transformers 5.x never adds `lm_head.bias` (a probable regression: v4 tied it to the decoder); the converted model
-reproduces 5.x and warns when that bias is not zero.
+The LM head's bias: transformers v4 tied `lm_head.bias` to the decoder's bias; 5.0-5.23 dropped the decoder's bias,
+so `lm_head.bias` was never added (a regression); 5.24 gives the decoder its own bias again (`lm_head.decoder.bias`,
+which v4 checkpoints hold too) and leaves `lm_head.bias` unused. The converter follows whichever transformers is
+installed: it carries the decoder's bias when the source model has one (`lm_head_bias=True`) and warns when the
+unused `lm_head.bias` is not zero.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from attnzoo.modeling.modeling_reformer import ZooReformerForCausalLM
 logger = logging.getLogger(__name__)
 
 
-def convert_config(hf_config) -> ZooReformerConfig:
-    """The `ZooReformerConfig` that computes what `hf_config`'s `ReformerModelWithLMHead` computes."""
+def convert_config(hf_config, lm_head_bias: bool = False) -> ZooReformerConfig:
+    """The `ZooReformerConfig` that computes what `hf_config`'s `ReformerModelWithLMHead` computes; `lm_head_bias`
+    says whether its LM head adds a bias (module docstring)."""
     if not hf_config.is_decoder:
         raise ValueError("the source config has is_decoder=False; only causal ReformerModelWithLMHead checkpoints "
                          "convert (set is_decoder=True on a language model).")
@@ -59,7 +63,8 @@ def convert_config(hf_config) -> ZooReformerConfig:
         intermediate_size=hf_config.feed_forward_size, hidden_act=hf_config.hidden_act,
         max_position_embeddings=hf_config.max_position_embeddings, layer_norm_eps=hf_config.layer_norm_eps,
         initializer_range=hf_config.initializer_range, hidden_dropout_prob=hf_config.hidden_dropout_prob,
-        attention_probs_dropout_prob=0.0, attention_bias=False, attn_layers=attn_layers, is_decoder=True,
+        attention_probs_dropout_prob=0.0, attention_bias=False, lm_head_bias=lm_head_bias, attn_layers=attn_layers,
+        is_decoder=True,
         reversible=True, reversible_merge="concat", tie_word_embeddings=False,
         chunk_size_feed_forward=hf_config.chunk_size_feed_forward or 0,
         lsh_chunk_length=hf_config.lsh_attn_chunk_length, lsh_num_chunks_before=hf_config.lsh_num_chunks_before,
@@ -114,16 +119,19 @@ def convert_state_dict(hf_state: dict[str, torch.Tensor], hf_config, config: Zoo
     out["model.transformer.final_norm.weight"] = hf_state["reformer.encoder.layer_norm.weight"]
     out["model.transformer.final_norm.bias"] = hf_state["reformer.encoder.layer_norm.bias"]
     out["lm_head.weight"] = hf_state["lm_head.decoder.weight"]
-    bias = hf_state.get("lm_head.bias")
-    if bias is not None and bias.abs().max() > 0:
-        logger.warning("lm_head.bias is not zero, but transformers 5.x never adds it; the converted model leaves it "
-                       "out as well, so both give the same logits.")
+    if config.lm_head_bias:
+        out["lm_head.bias"] = hf_state["lm_head.decoder.bias"]
+    unused = hf_state.get("lm_head.bias")
+    if unused is not None and unused.abs().max() > 0:
+        logger.warning("lm_head.bias is not zero, but transformers' Reformer never adds it (only its decoder's own "
+                       "bias, where it has one); the converted model leaves it out as well, so both give the same "
+                       "logits.")
     return out
 
 
 def convert_model(hf_model) -> ZooReformerForCausalLM:
     """A `ZooReformerForCausalLM` with `hf_model`'s weights, in `hf_model`'s dtype."""
-    config = convert_config(hf_model.config)
+    config = convert_config(hf_model.config, lm_head_bias=hf_model.lm_head.decoder.bias is not None)
     dtype = next(hf_model.parameters()).dtype
     model = ZooReformerForCausalLM(config).to(dtype)
     state = convert_state_dict(hf_model.state_dict(), hf_model.config, config)

@@ -63,7 +63,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         config = _as_decoder(config)
         super().__init__(config)
         self.model = ZooModel(config)
-        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -268,7 +268,7 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.encoder = ZooSeq2SeqEncoder(config)
         self.decoder = ZooTransformer(config, causal=True, decoder_side=True, cross_attention=True)
-        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
     def get_encoder(self, modality=None):

@@ -4,6 +4,8 @@ approximation gets finer, and variants that do not map failing clearly. Sources 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -44,6 +46,13 @@ def saved_source(tmp_path_factory):
     from timm.models import _hub
 
     _hub.save_for_hf(tiny_vit(peaked=3.0, dtype=torch.float32), str(folder))
+    # Hub checkpoints of non-default sizes carry the sizes as `model_args` and the input size in `pretrained_cfg`;
+    # timm writes both itself from 1.0.31 on, older releases the defaults of the architecture (224 pixels)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config.setdefault("model_args", TINY)
+    config["pretrained_cfg"]["input_size"] = [3, TINY["img_size"], TINY["img_size"]]
+    config_file.write_text(json.dumps(config))
     return folder
 
 
@@ -89,7 +98,7 @@ def test_every_family_converts_saves_reloads_and_classifies(family, saved_source
     # the image processor is the source's evaluation transform
     processor = AutoImageProcessor.from_pretrained(dst)
     data = timm.data.resolve_data_config({}, model=source)
-    assert processor.size == {"shortest_edge": 16} and processor.crop_pct == data["crop_pct"]
+    assert processor.size["shortest_edge"] == 16 and processor.crop_pct == data["crop_pct"]
     assert list(processor.image_mean) == list(data["mean"]) and list(processor.image_std) == list(data["std"])
     image = Image.fromarray((np.random.default_rng(0).random((20, 24, 3)) * 255).astype("uint8"))
     predictions = pipeline("image-classification", model=str(dst), top_k=3)(image)
@@ -203,7 +212,7 @@ def test_fine_tuning_a_converted_vit_keeps_its_size_and_normalisation(saved_sour
     model = AutoModelForImageClassification.from_pretrained(out)
     assert model.config.model_type == "attnzoo_lara" and model.config.num_labels == 10
     processor = AutoImageProcessor.from_pretrained(out)
-    assert processor.size == {"shortest_edge": 16} and processor.crop_pct == 0.9
+    assert processor.size["shortest_edge"] == 16 and processor.crop_pct == 0.9
     assert list(processor.image_mean) == [0.5] * 3 and list(processor.image_std) == [0.5] * 3
     evaluated = run_script("evaluate", ["--model_name_or_path", out])
     assert evaluated["top1_accuracy"] == pytest.approx(accuracy)

@@ -69,7 +69,7 @@ def test_checkpoints_load_with_trust_remote_code_where_attnzoo_is_not_installed(
 import json, sys
 sys.modules["attnzoo"] = None  # as if attnzoo were not installed
 import torch, transformers
-torch.set_num_threads({torch.get_num_threads()})  # the same reduction order as the expected outputs'
+torch.set_num_threads({torch.get_num_threads()})  # the same reduction order as the expected outputs
 expected = torch.load({str(tmp_path / "expected.pt")!r})
 auto = {json.dumps({k: name for k, (name, _) in expected.items()})}
 worst = 0.0

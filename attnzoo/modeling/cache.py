@@ -144,7 +144,10 @@ class TokenBufferLayer(SelfManagedCacheLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -n tokens for n = `tokens_to_remove` < 0, as transformers' cache layers do (a positive
-        value, the legacy "final size", is refused there and here)."""
+        value, the legacy "final size", is refused there and here). Assisted decoding passes a 0-d tensor on some
+        transformers releases (5.17): it is read as an int, so `length` never becomes a tensor that later updates
+        would alias."""
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
         if self.length == 0 or tokens_to_remove == 0:

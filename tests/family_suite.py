@@ -14,7 +14,9 @@ import torch
 from transformers import AutoConfig
 
 import attnzoo  # noqa: F401  (registers the Auto classes)
+from attnzoo.modeling.cache import ZooCache
 from attnzoo.registration import AUTO_CLASS_BY_HEAD as AUTO
+from attnzoo.transformers_compat import CACHE_KW, output_cache
 
 VOCAB = 61
 
@@ -169,6 +171,27 @@ class FamilySuite:
             with torch.no_grad():
                 logits = model(cached[:, :-1], use_cache=False).logits
             assert torch.equal(logits[:, prompt.shape[1] - 1:].argmax(-1), cached[:, prompt.shape[1]:]), pattern
+
+    def test_generation_contract_on_the_installed_transformers(self):
+        """What a transformers release can break without an error (its 5.24 renamed the cache from `past_key_values`
+        to `cache`; a model that missed the rename decoded every step from the new token alone, and for Performer and
+        LARA the greedy tokens still came out right): per-step logits with and without the cache, beam search, a
+        continuation from a cache the user passes under the installed name, and the cache returned under it."""
+        model = self.build("ForCausalLM").eval()
+        prompt = self.inputs_for("ForCausalLM", length=9)["input_ids"]
+        kwargs = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        cached = model.generate(prompt, max_new_tokens=8, use_cache=True, **kwargs)
+        uncached = model.generate(prompt, max_new_tokens=8, use_cache=False, **kwargs)
+        torch.testing.assert_close(torch.stack(cached.logits), torch.stack(uncached.logits), atol=1e-5, rtol=1e-5)
+        cache = output_cache(cached)
+        assert isinstance(cache, ZooCache) and cache.get_seq_length() == prompt.shape[1] + 7
+        # continue from the returned cache, passed under the name generate() takes on this transformers
+        first = model.generate(prompt, max_new_tokens=4, **kwargs)
+        resumed = model.generate(first.sequences, max_new_tokens=4, **{CACHE_KW: output_cache(first)}, **kwargs)
+        assert torch.equal(resumed.sequences, cached.sequences)
+        beams = dict(num_beams=3, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(prompt, use_cache=True, **beams), model.generate(prompt, use_cache=False,
+                                                                                           **beams))
 
     def test_left_padded_generation_equals_each_prompt_alone(self):
         model = self.build("ForCausalLM").eval()

@@ -29,11 +29,11 @@ from attnzoo.registration import register_family
 
 __version__ = "0.1.0"
 
-register_family(ZooSoftmaxConfig, modeling_softmax, "ZooSoftmax")
-register_family(ZooReformerConfig, modeling_reformer, "ZooReformer")
-register_family(ZooPerformerConfig, modeling_performer, "ZooPerformer")
-register_family(ZooRAConfig, modeling_ra, "ZooRA")
-register_family(ZooLARAConfig, modeling_lara, "ZooLARA")
+# The one list of families: the scripts' and converters' `--family` choices derive from it (registration.py).
+for _config_class, _module in ((ZooSoftmaxConfig, modeling_softmax), (ZooReformerConfig, modeling_reformer),
+                               (ZooPerformerConfig, modeling_performer), (ZooRAConfig, modeling_ra),
+                               (ZooLARAConfig, modeling_lara)):
+    register_family(_config_class, _module)
 
 __all__ = [
     "ATTENTION_REGISTRY",

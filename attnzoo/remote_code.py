@@ -10,6 +10,13 @@ in them. transformers then loads the checkpoint where attnzoo is not imported, o
 The flat copy is made from the installed package's own source files: `from attnzoo.a.b import X` becomes
 `from .a_b import X` (transformers follows relative imports when it copies remote code, and wants no sub-packages).
 A model that was itself loaded as remote code re-saves the files it was loaded from.
+
+The rule that makes flattening possible, for attnzoo's modules and for an attention module of the user's: import
+attnzoo names as `from attnzoo.a.b import Name` (never `import attnzoo...` or a module object), and import nothing
+else but the standard library, torch and transformers (what a checkpoint's code can rely on where it is loaded).
+The attention modules a model's layers use travel with it, also when they are defined outside attnzoo
+(`attention_modules`): the entry file imports them, which registers their names before the model is built.
+docs/adding_an_attention.md walks through it.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = "attnzoo"
+#: what a checkpoint's code may import besides the standard library (and attnzoo names, which it carries)
+ALLOWED_IMPORT_ROOTS = ("__future__", "torch", "transformers", PACKAGE)
 CONFIG_ENTRY = "configuration_attnzoo"
 MODEL_ENTRY = "modeling_attnzoo"
 #: head suffix -> the Auto class that loads it (the keys of `auto_map`)
@@ -87,6 +96,48 @@ def _package_closure(roots: list[str]) -> dict[str, str]:
     return sources
 
 
+def unguarded_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of `tree` outside `try` blocks (those inside are optional where the code is loaded)."""
+    guarded = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Try)
+               for statement in node.body for inner in ast.walk(statement)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in guarded]
+
+
+def _check_user_imports(source: str, module: str) -> None:
+    """An attention module from outside attnzoo travels only if its imports will resolve where the checkpoint is
+    loaded: the standard library, torch, transformers and attnzoo names (which the flat copy provides). An import
+    inside a `try` block is optional (transformers' check of remote code skips it too)."""
+    for node in unguarded_imports(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            raise ValueError(f"the attention module {module} uses a relative import (line {node.lineno}); a "
+                             "checkpoint carries that one file only: import from the standard library, torch, "
+                             "transformers or attnzoo, and save again.")
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        for name in names:
+            root = name.split(".")[0]
+            if root not in ALLOWED_IMPORT_ROOTS and root not in sys.stdlib_module_names:
+                raise ValueError(f"the attention module {module} imports {name} (line {node.lineno}), which a "
+                                 "checkpoint's code cannot carry: use only the standard library, torch, transformers "
+                                 "and attnzoo in that file (see docs/adding_an_attention.md), and save again.")
+
+
+def user_module_source(module: str) -> str:
+    """The source of an attention module defined outside attnzoo, checked to travel with a checkpoint."""
+    if module == "__main__":
+        raise ValueError("the model uses an attention defined in __main__ (a script or a notebook), whose code a "
+                         "checkpoint cannot carry: move the class into a module file (e.g. my_attention.py next to "
+                         "your script), import it from there, and save again.")
+    source_file = getattr(sys.modules.get(module), "__file__", None)
+    if not source_file or not source_file.endswith(".py"):
+        raise ValueError(f"the attention module {module} has no Python source file to copy into the checkpoint; "
+                         "define the attention in a .py module, import it from there, and save again.")
+    source = Path(source_file).read_text(encoding="utf-8")
+    _package_imports(source, module)  # the attnzoo import rule
+    _check_user_imports(source, module)
+    return source
+
+
 def _flatten(source: str) -> str:
     return _PACKAGE_IMPORT.sub(lambda m: f"{m.group(1)}from .{flat_module_name(PACKAGE + m.group(2))} import", source)
 
@@ -96,19 +147,35 @@ def _entry(import_from: str, names: list[str], what: str) -> str:
     return f'"""{what} of this checkpoint (attnzoo; loaded by transformers with trust_remote_code=True)."""\n\n{lines}'
 
 
-def _files_from_package(config_class: type, model_classes: list[type]) -> dict[str, str]:
+def _files_from_package(config_class: type, model_classes: list[type], attention_classes: list[type]) -> dict:
     config_module, model_module = config_class.__module__, model_classes[0].__module__ if model_classes else None
     roots = [config_module] + ([model_module] if model_module else [])
+    user_sources = {}  # flat name -> source, for attention modules defined outside attnzoo
+    registering = []  # (flat module, class name): entry-file imports that register the layers' attentions
+    for cls in attention_classes:
+        module = cls.__module__
+        if module.split(".")[0] == PACKAGE:
+            roots.append(module)
+            registering.append((flat_module_name(module), cls.__name__))
+        else:
+            source = user_module_source(module)
+            name = "user_" + module.replace(".", "_")
+            user_sources[name] = source
+            roots.extend(_package_imports(source, module))
+            registering.append((name, cls.__name__))
     files = {}
     for module, source in _package_closure(roots).items():
         name = flat_module_name(module)
         if name in files:
             raise ValueError(f"two modules flatten to {name}.py; rename one of them.")
         files[name] = _flatten(source)
+    files.update({name: _flatten(source) for name, source in user_sources.items()})
     files[CONFIG_ENTRY] = _entry(flat_module_name(config_module), [config_class.__name__], "The configuration")
     if model_classes:
-        files[MODEL_ENTRY] = _entry(flat_module_name(model_module), [c.__name__ for c in model_classes],
-                                    "The model classes")
+        registration = "".join(f"from .{module} import {name}  # noqa: F401  (registers its attention)\n"
+                               for module, name in dict.fromkeys(registering))
+        files[MODEL_ENTRY] = registration + _entry(flat_module_name(model_module),
+                                                   [c.__name__ for c in model_classes], "The model classes")
     return files
 
 
@@ -140,15 +207,23 @@ def auto_map(config_class: type, model_classes: list[type]) -> dict[str, str]:
     return entries
 
 
-def write_remote_code(folder: str | Path, config_class: type, model_classes: list[type] = ()) -> list[Path]:
-    """Write the code files for `config_class` (and `model_classes`) into `folder`; returns their paths."""
+def remote_code_files(config_class: type, model_classes: list[type] = (), attention_classes: list[type] = ()
+                      ) -> dict[str, str]:
+    """file stem -> source of the code a checkpoint of `config_class` (and `model_classes`, whose layers use
+    `attention_classes`) carries. Raises ValueError, before anything is written, when some of it cannot travel."""
     model_classes = list(model_classes)
     if config_class.__module__.split(".")[0] == PACKAGE:
-        files = _files_from_package(config_class, model_classes)
-    else:  # already a flat copy: the class was loaded as remote code
-        anchor = model_classes[0] if model_classes else config_class
-        entry = MODEL_ENTRY if model_classes else CONFIG_ENTRY
-        files = _files_from_flat_copy(Path(sys.modules[anchor.__module__].__file__).with_name(f"{entry}.py"))
+        return _files_from_package(config_class, model_classes, list(attention_classes))
+    # already a flat copy: the class was loaded as remote code
+    anchor = model_classes[0] if model_classes else config_class
+    entry = MODEL_ENTRY if model_classes else CONFIG_ENTRY
+    return _files_from_flat_copy(Path(sys.modules[anchor.__module__].__file__).with_name(f"{entry}.py"))
+
+
+def write_remote_code(folder: str | Path, config_class: type, model_classes: list[type] = (),
+                      attention_classes: list[type] = ()) -> list[Path]:
+    """Write the code files for `config_class` (and `model_classes`) into `folder`; returns their paths."""
+    files = remote_code_files(config_class, model_classes, attention_classes)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = []

@@ -16,9 +16,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from attnzoo.registration import FAMILY_CONFIGS
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-FAMILIES = ("softmax", "reformer", "performer", "ra", "lara")
+FAMILIES = tuple(FAMILY_CONFIGS)
 
 TINY = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=64"]
 #: per family, small attention settings so the tests' short sequences still use the efficient paths (chunks, hashing,

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-FAMILIES = ("softmax", "performer", "reformer", "ra", "lara")
+from attnzoo.registration import FAMILY_CONFIGS
+
+FAMILIES = tuple(FAMILY_CONFIGS)  # the registered families (attnzoo/__init__.py)
 
 #: attention layouts the converters fill: module attribute -> source projection ("q", "k", "v" or "o")
 PROJECTION_LAYOUTS = (

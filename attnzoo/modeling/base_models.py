@@ -12,7 +12,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPast
 
 from attnzoo.configuration.base import ZooConfig
-from attnzoo.modeling.attention import InitialisesBuffers
+from attnzoo.modeling.attention import InitialisesBuffers, ZooAttention
 from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
@@ -54,8 +54,9 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
         config.json, so the checkpoint loads with `AutoModel*.from_pretrained(..., trust_remote_code=True)` where
         attnzoo is not imported or not installed (see `attnzoo.remote_code`)."""
         classes = family_model_classes(type(self))
-        if is_main_process:
-            write_remote_code(save_directory, type(self.config), classes)
+        if is_main_process:  # the code is checked in full before anything is written
+            attentions = dict.fromkeys(type(m) for m in self.modules() if isinstance(m, ZooAttention))
+            write_remote_code(save_directory, type(self.config), classes, list(attentions))
         self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}),
                                 **auto_map(type(self.config), classes)}
         return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)

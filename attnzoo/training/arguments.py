@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from attnzoo.registration import FAMILY_CONFIGS
 from attnzoo.training.tracking import REPORT_TO_CHOICES
 
-FAMILIES = ("softmax", "performer", "reformer", "ra", "lara")
+FAMILIES = tuple(FAMILY_CONFIGS)  # the registered families (attnzoo/__init__.py)
 SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial", "constant",
               "constant_with_warmup", "inverse_sqrt")
 

@@ -1,4 +1,8 @@
-"""Attention modules by name. Importing a module file registers it (see `base.py` for the contract)."""
+"""Attention modules by name. Importing a module file registers it (see `base.py` for the contract); every module
+file of this package is imported here, so a new attention is one new file."""
+
+import importlib
+import pkgutil
 
 from attnzoo.modeling.attention.base import (
     ATTENTION_REGISTRY,
@@ -35,3 +39,9 @@ __all__ = [
     "register_attention",
     "softmax_attention_reference",
 ]
+
+# The modules not named above (a new attention file, say) register themselves on import. A checkpoint's flat copy of
+# this file is no package (no __path__): there the entry file imports the attention modules its layers use.
+if "__path__" in globals():
+    for _module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{_module.name}")

@@ -30,8 +30,10 @@ Optional parts, each opted into by a module that needs it:
 - `InitialisesBuffers.init_buffers()`: fills buffers a checkpoint did not provide (called from `_init_weights`).
 - `set_image_layout(grid_size, class_token)`: an image encoder declares its patch grid at construction.
 
-A new attention is one file: subclass `ZooAttention`, set `family_config` if it reads fields of a family config,
-decorate it with `@register_attention("name")`, and import the file from `attnzoo/modeling/attention/__init__.py`.
+A new attention is one file: subclass `ZooAttention`, set `family_config` if it reads fields of a family config, and
+decorate it with `@register_attention("name")`. Inside the package, put the file in `attnzoo/modeling/attention/`
+(every module there is imported); in user code, import it before building the model: checkpoints carry it either way
+(docs/adding_an_attention.md walks through both).
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""docs/adding_an_attention.md, done as the page says: its three code blocks, run as written (a module of the
+user's own, a script that trains a step and saves, a script that loads where attnzoo is not importable and
+generates), and what `save_pretrained` refuses. Also: every family's checkpoint code obeys the import rule."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo.registration import FAMILY_CONFIGS
+from attnzoo.remote_code import family_model_classes, remote_code_files, unguarded_imports
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "adding_an_attention.md"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def doc_blocks() -> dict[str, str]:
+    """file name (the block's first-line comment) -> code, for the page's python blocks."""
+    blocks = re.findall(r"```python\n# (\S+\.py)\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.DOTALL)
+    return {name: f"# {name}\n{code}" for name, code in blocks}
+
+
+def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
+    prefix = "import sys; sys.modules['attnzoo'] = None  # as if attnzoo were not installed\n" if block_attnzoo else ""
+    env_path = "" if block_attnzoo else str(ROOT)
+    done = subprocess.run([sys.executable, "-c", prefix + code], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": env_path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_page_runs_as_written_and_the_checkpoint_loads_without_attnzoo(tmp_path):
+    blocks = doc_blocks()
+    assert list(blocks) == ["temperature_attention.py", "train_and_save.py", "load_and_generate.py"]
+    for name, code in blocks.items():
+        (tmp_path / name).write_text(code, encoding="utf-8")
+    run(blocks["train_and_save.py"], tmp_path)
+    saved = tmp_path / "my-model"
+    assert (saved / "user_temperature_attention.py").is_file()
+    # the saved model's outputs, computed where attnzoo and the user's module are importable
+    compare = f"""
+import json, sys, torch
+sys.path.insert(0, {str(tmp_path)!r})
+{{imports}}
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(saved)!r}{{remote}}).eval()
+ids = torch.arange(1, 13)[None] % 64
+with torch.no_grad():
+    logits = model(ids).logits
+cached = model.generate(ids, max_new_tokens=6, do_sample=False)
+uncached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+print(json.dumps({{{{"module": type(model.model.transformer.blocks[0].attn).__module__,
+                   "logits": logits.flatten().tolist(), "cached": cached.tolist(), "uncached": uncached.tolist()}}}}))
+"""
+    local = json.loads(run(compare.format(imports="import attnzoo, temperature_attention", remote=""),
+                           tmp_path).splitlines()[-1])
+    (tmp_path / "temperature_attention.py").unlink()  # the colleague's machine has neither attnzoo nor the file
+    remote = json.loads(run(compare.format(imports="", remote=", trust_remote_code=True"), tmp_path,
+                            block_attnzoo=True).splitlines()[-1])
+    assert local["module"] == "temperature_attention" and remote["module"].startswith("transformers_modules")
+    assert remote["logits"] == local["logits"]
+    assert remote["cached"] == remote["uncached"] == local["cached"]
+    out = run(blocks["load_and_generate.py"], tmp_path, block_attnzoo=True)
+    assert out.startswith("[1, 2, 3, ") and len(json.loads(out)) == 11
+
+
+@pytest.mark.parametrize("module, first_line, message", [
+    ("bad_attention", "import numpy", r"imports numpy \(line 2\), which a checkpoint's code cannot carry"),
+    ("userpkg.bad_attention", "from .helpers import x", r"relative import \(line 2\)"),
+])
+def test_an_attention_module_that_cannot_travel_is_refused_before_anything_is_written(tmp_path, module, first_line,
+                                                                                     message):
+    folder = tmp_path / "userpkg" if module.startswith("userpkg.") else tmp_path
+    folder.mkdir(exist_ok=True)
+    (folder / "__init__.py").touch()
+    (folder / "helpers.py").write_text("x = 1\n")
+    code = doc_blocks()["temperature_attention.py"].replace('"temperature_softmax"', '"bad_softmax"')
+    (folder / "bad_attention.py").write_text(code.replace("\n", f"\n{first_line}\n", 1), encoding="utf-8")
+    script = f"""
+import sys
+sys.path.insert(0, {str(tmp_path)!r})
+import attnzoo, {module}
+from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["bad_softmax"], vocab_size=20, hidden_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+try:
+    model.save_pretrained("out")
+except ValueError as error:
+    print("REFUSED", error)
+"""
+    out = run(script, tmp_path)
+    assert out.startswith("REFUSED") and re.search(message, out), out
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_attention_defined_in_main_is_refused_with_what_to_do(tmp_path):
+    code = doc_blocks()["temperature_attention.py"] + """
+from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["temperature_softmax"], vocab_size=20, hidden_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+try:
+    model.save_pretrained("out")
+except ValueError as error:
+    print("REFUSED", error)
+"""
+    out = run(code, tmp_path)
+    assert "REFUSED" in out and "defined in __main__" in out and "move the class into a module file" in out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_every_familys_checkpoint_code_imports_only_what_travels(family):
+    config_class = FAMILY_CONFIGS[family]
+    prefix = config_class.__name__.removesuffix("Config")
+    causal_lm = getattr(__import__("attnzoo"), prefix + "ForCausalLM")
+    torch.manual_seed(0)
+    model = causal_lm(config_class(vocab_size=20, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=32, max_position_embeddings=64))
+    attentions = list(dict.fromkeys(type(m.attn) for m in model.model.transformer.blocks))
+    files = remote_code_files(config_class, family_model_classes(causal_lm), attentions)
+    for name, source in files.items():
+        for node in unguarded_imports(ast.parse(source)):  # imports inside `try` are optional (Triton)
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                assert node.module in files, f"{name}.py imports .{node.module}, which the checkpoint lacks"
+            else:
+                roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else \
+                    [(node.module or "").split(".")[0]]
+                for root in roots:
+                    assert root in ("__future__", "torch", "transformers") or root in sys.stdlib_module_names, \
+                        f"{name}.py imports {root}"

@@ -11,7 +11,8 @@ What lives here, and why:
   is the name of the installed version; `take_cache` accepts any of the names in a forward, `with_cache` writes an
   output under the current one and `output_cache` reads it back.
 - **The generation hooks** that hand `generate()` the model's own cache (`GenerationHooks`).
-- **Activation checkpointing**: the method that enables it was renamed in 5.23 (`enable_activation_checkpointing`),
+- **Activation checkpointing**: the method that enables it was renamed in 5.23 (`gradient_checkpointing_enable` to
+  `activation_checkpointing_enable`; attnzoo calls it through `enable_activation_checkpointing`),
   and `GradientCheckpointingLayer` nulls a differently named cache keyword in each release, so attnzoo drops the
   cache itself while blocks are checkpointed (`drops_cache_under_checkpointing`).
 - **The Trainer's inference keys** (`CACHE_NAMES`): the outputs the Trainer must not gather during evaluation.

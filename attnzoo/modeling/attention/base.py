@@ -14,9 +14,10 @@ and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
 - With a cache the module reads and extends `cache.layers[layer_idx]`, the slot it created with
   `new_cache_layer()`. Cache slots only store (see `attnzoo/modeling/cache.py`); the module computes, so decoding
   logic lives next to the forward it must equal.
-- Randomness (hash rotations, random features, samples) comes from explicit generators or the global RNG, never
-  from hidden state that differs between two calls with the same seed. In evaluation mode it comes from the
-  config's `eval_seed`, so evaluation is deterministic.
+- Randomness (hash rotations, random features, samples) comes from counter-based draws (`counter_random.py`) or the
+  global RNG, never from hidden state that differs between two calls with the same seed. Evaluation is
+  deterministic: LSH and RA draw from the config's `eval_seed`, Performer uses its saved `eval_projection`, LARA's
+  samples are its proposals' means.
 - Each module keeps a plain, obviously-correct `reference_forward` with the same signature; tests compare the fast
   path against it (values and gradients) and against exact softmax attention.
 

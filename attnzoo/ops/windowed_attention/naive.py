@@ -1,7 +1,7 @@
 """Reference form of windowed chunk attention: every chunk's window keys copied out ([N, C, W, d]), the scores masked
 by `WindowMask.apply`, and the softmax written out so that autograd differentiates it. The tests compare the fused
-and hand-differentiated paths with it, and under torch.compile it is the path (the compiler traces plain ops, and
-its partitioner decides what to recompute in the backward)."""
+and hand-differentiated paths with it, and under torch.compile on the CPU it is the path (the compiler traces plain
+ops, and its partitioner decides what to recompute in the backward)."""
 
 from __future__ import annotations
 

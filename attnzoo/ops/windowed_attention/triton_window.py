@@ -8,7 +8,7 @@ integers of the `WindowMask` (read with their own strides, so broadcast metadata
               and (rounds: for each earlier round e < n mod R, not lo <= loc_e[key] - loc_e[q] <= hi);
     score   = scale q·k if allowed else -inf, and the self value for a query's own key (self_penalty).
 Key chunks beyond the row's ends are skipped (they are always masked). The row maximum starts at the masked floor,
-so a row with no allowed key gets probabilities 0 and lse = floor, as in `chunked._softmax_`.
+so a row with no allowed key gets probabilities 0 and lse = floor, as in `torch_window._softmax_`.
 
 Kernels (grids put the N rows last, then the C chunks, then blocks of BM queries or BN keys of a chunk):
   _window_forward   one program per (query block, chunk, row): loops over the before + 1 + after key chunks of its
@@ -21,7 +21,7 @@ Kernels (grids put the N rows last, then the C chunks, then blocks of BM queries
                     result is deterministic; the price is computing the scores twice in the backward (once per
                     kernel), as flash attention's separate-dq variant does.
 dS is zeroed at a query's own key (its score is a constant) and in rows whose lse is at or below half the self value
-(only the own key, or nothing, was allowed), as `chunked.WindowedAttention.backward` does.
+(only the own key, or nothing, was allowed), as `torch_window.WindowedAttention.backward` does.
 """
 
 from __future__ import annotations

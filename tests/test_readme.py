@@ -1,0 +1,65 @@
+"""The README as a new user meets it: every code block runs, in a fresh process, from a folder of its own. The
+set-up commands run without their `pip install` (CI's `.ci/run` does that part) and with the training runs cut to a
+few steps; the Python blocks and the fine-tune/evaluate commands then use the checkpoint the main job wrote."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.scripts_helpers import ROOT, script_env
+
+README = ROOT / "README.md"
+SHORT_RUN = ["--max_train_steps", "3"]
+
+
+def code_blocks() -> list[tuple[str, str]]:
+    """(language, code) of every fenced block with a language."""
+    return [(lang, code) for lang, code in re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.DOTALL)
+            if lang]
+
+
+def run_command(line: str, cwd: Path) -> str:
+    """One shell command of the README, as a user runs it (accelerate launch and python from this interpreter)."""
+    argv = shlex.split(line)
+    if argv[:2] == ["accelerate", "launch"]:
+        argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:], *SHORT_RUN]
+    elif argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=script_env(), timeout=900)
+    assert done.returncode == 0, f"{line}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_every_readme_code_block_runs(tmp_path):
+    for folder in ("scripts", "recipes"):  # the commands name them relative to the checkout
+        (tmp_path / folder).symlink_to(ROOT / folder)
+    blocks = code_blocks()
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash"]
+    main_job, tests, load, new_model, fine_tune = (code for _, code in blocks)
+
+    commands = [c for c in main_job.strip().split(" && ") if not c.startswith("pip install")]
+    assert main_job.startswith('pip install -e ".[vision,dev]" && ') and len(commands) == 1
+    out = run_command(commands[0], tmp_path)
+    assert re.search(r"held-out bits/dim: \d+\.\d+; model saved to runs/quickstart", out), out
+    assert re.search(r"^sample: '", out, flags=re.MULTILINE), out
+
+    # the test command is what CI runs
+    assert tests.strip() == 'pip install -e ".[vision,dev]" && python -m pytest -q'
+    assert "-m pytest -q" in (ROOT / ".ci" / "run").read_text()
+
+    for code in (load, new_model):
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                              env=script_env(), timeout=600)
+        assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"
+
+    text = (ROOT / "docs" / "families.md").read_text()  # some English text of the user's
+    (tmp_path / "my_text.txt").write_text(text * 4)
+    (tmp_path / "held_out.txt").write_text(text)
+    for line in fine_tune.strip().splitlines():
+        run_command(line, tmp_path)
+    assert (tmp_path / "runs" / "my-lm" / "config.json").is_file()

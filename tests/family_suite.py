@@ -2,7 +2,8 @@
 
 A subclass sets `config_class` and `prefix` (the class-name prefix of its model classes) and may override
 `config_overrides` (e.g. attention settings), `attention_patterns` (attn_layers to test), `atol` (the
-tolerance of float-error comparisons) or `evaluation_randomness` (config values that make evaluation random). Models are tiny and run on the CPU.
+tolerance of float-error comparisons) or `evaluation_randomness` (config values that make evaluation random).
+Models are tiny and run on the CPU.
 """
 
 from __future__ import annotations

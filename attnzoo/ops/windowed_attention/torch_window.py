@@ -6,10 +6,10 @@ chunks after it (Reformer, arXiv 2001.04451, §2 and Figure 2d). Which of those 
 by a `WindowMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
 
 `windowed_attention` (through the autograd Function `WindowedAttention`) returns the output and the log-sum-exp of
-every query, with the gradients of both (LSH combines hash rounds through the log-sum-exp, Reformer Appendix A). Its
-backward either recomputes the scores (the [chunks, m, window] tensors then exist only transiently, as in flash attention) or, with
-`save_probs`, keeps the probabilities: the reversible stack recomputes a layer and backpropagates through it at
-once, so there keeping them costs no extra peak memory and saves a recomputation.
+every query, with the gradients of both (LSH combines hash rounds through the log-sum-exp, Reformer Appendix A).
+Its backward either recomputes the scores (the [chunks, m, window] tensors then exist only transiently, as in flash
+attention) or, with `save_probs`, keeps the probabilities: the reversible stack recomputes a layer and
+backpropagates through it at once, so there keeping them costs no extra peak memory and saves a recomputation.
 
 Masked scores are -inf and a query's own key (shared-QK) gets the large finite penalty -1e5 (as trax does),
 so a token attends to itself only when nothing else is allowed; a row with no allowed key at all (padding) gets

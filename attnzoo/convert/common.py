@@ -129,10 +129,6 @@ def attention_weights(attn: nn.Module, prefix: str, projections: dict[str, tuple
     return out
 
 
-def linear_pair(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
-
-
 @torch.no_grad()
 def init_attention_extras(model: nn.Module) -> None:
     """Start an attention's own parameters where they change the source's attention least: LARA's landmark

@@ -17,9 +17,9 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
-from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, build_attention
+from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, UsesRecomputation, build_attention
 from attnzoo.modeling.embeddings import PositionEmbedding
-from attnzoo.modeling.reversible import ReversibleStackFunction
+from attnzoo.modeling.reversible import ReversibleStackFunction, stream_step
 from attnzoo.transformers_compat import drops_cache_under_checkpointing
 
 logger = logging.get_logger(__name__)
@@ -69,8 +69,8 @@ class ZooBlock(GradientCheckpointingLayer):
         """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention.
         `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py)."""
         self_cache = getattr(cache, "self_attention_cache", cache)
-        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache,
-                                       recompute=recompute))
+        replay = {"recompute": recompute} if isinstance(self.attn, UsesRecomputation) else {}
+        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache, **replay))
         if self.cross_attn is not None:
             cross_cache = cache if hasattr(cache, "cross_attention_cache") else None
             cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
@@ -98,38 +98,8 @@ class ZooBlock(GradientCheckpointingLayer):
             return None
         return self._residual(torch.ones_like(like))
 
-    def feed_forward_recompute_backward(self, x, grad_out, params):
-        """The reversible backward's step for a chunked G: recompute G(x) and backpropagate `grad_out` through it one
-        chunk at a time, so only one chunk's [chunk, intermediate_size] activations ever exist (chunking saves
-        memory in the backward pass too, Reformer §3). Call under the RNG state of the forward's G.
-        Returns (G(x) detached, dL/dx, gradients of `params`)."""
-        scale = self._residual_scale(x)  # the forward drew nothing before this, so the draws match
-        out, grad_x = torch.empty_like(x), torch.empty_like(x)
-        grads = [None] * len(params)
-        for start in range(0, x.shape[1], self.ffn_chunk_size):
-            span = slice(start, start + self.ffn_chunk_size)
-            part = x[:, span].detach().requires_grad_()
-            with torch.enable_grad():
-                g = self._feed_forward(part)
-            grad = grad_out[:, span] if scale is None else grad_out[:, span] * scale[:, span]
-            part_grads = torch.autograd.grad(g, [part, *params], grad, allow_unused=True)
-            with torch.no_grad():
-                out[:, span] = g if scale is None else g * scale[:, span]
-            grad_x[:, span] = part_grads[0]
-            for i, p_grad in enumerate(part_grads[1:]):
-                if p_grad is not None:
-                    grads[i] = p_grad if grads[i] is None else grads[i] + p_grad
-        return out, grad_x, grads
-
     def _feed_forward(self, x):
         return self.ffn(self.ffn_norm(x))
-
-    def attention_parameters(self):
-        modules = [self.attn_norm, self.attn] + ([self.cross_norm, self.cross_attn] if self.cross_attn else [])
-        return [p for m in modules for p in m.parameters()]
-
-    def feed_forward_parameters(self):
-        return [*self.ffn_norm.parameters(), *self.ffn.parameters()]
 
     def forward(self, hidden_states, encoder_hidden_states=None, **block_kwargs):
         hidden_states = hidden_states + self.attention_branch(hidden_states, encoder_hidden_states, **block_kwargs)
@@ -241,19 +211,13 @@ class ZooTransformer(nn.Module):
             all_hidden[0] = self._merge(x1, x2)
         for block in self.blocks:
             if checkpointed:
-                x1, x2 = checkpoint(self._stream_step, block, x1, x2, encoder_hidden_states, block_kwargs,
+                x1, x2 = checkpoint(stream_step, block, x1, x2, encoder_hidden_states, block_kwargs,
                                     use_reentrant=False)
             else:
-                x1, x2 = self._stream_step(block, x1, x2, encoder_hidden_states, block_kwargs)
+                x1, x2 = stream_step(block, x1, x2, encoder_hidden_states, block_kwargs)
             if all_hidden is not None:
                 all_hidden.append(self._merge(x1, x2))
         return self._merge(x1, x2)
-
-    @staticmethod
-    def _stream_step(block, x1, x2, encoder_hidden_states, block_kwargs):
-        """One reversible block: y1 = x1 + F(x2), y2 = x2 + G(y1)."""
-        y1 = x1 + block.attention_branch(x2, encoder_hidden_states, **block_kwargs)
-        return y1, x2 + block.feed_forward_branch(y1)
 
     def _merge(self, x1, x2):
         return torch.cat([x1, x2], dim=-1) if self.concat_streams else (x1 + x2) / 2

@@ -32,11 +32,6 @@ from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entr
 from attnzoo.transformers_compat import output_cache, take_cache, with_cache
 
 
-def _logits_as_given(logits):
-    """The "head" of a loss computed from logits already at hand."""
-    return logits
-
-
 def _wants_logits(model, labels, skip_logits) -> bool:
     """Whether to materialise the [batch, length, vocab] logits. `skip_logits` (transformers' name for it) decides
     when given; by default they are skipped only where the chunked loss exists to avoid them: a training forward with
@@ -44,6 +39,23 @@ def _wants_logits(model, labels, skip_logits) -> bool:
     if skip_logits is not None:
         return not skip_logits
     return labels is None or not model.config.loss_chunk_size or not model.training
+
+
+def lm_logits_and_loss(model, hidden, labels, *, causal: bool, skip_logits=None, num_items_in_batch=None,
+                       logits_to_keep: int = 0):
+    """(logits or None, loss or None) of a language-model head `model.lm_head` over `hidden`, shared by the causal,
+    masked and encoder-decoder heads. A loss reuses logits already computed for all positions; otherwise it runs the
+    head itself, in chunks of `loss_chunk_size` (the chunked loss never holds every position's logits)."""
+    logits = loss = None
+    if _wants_logits(model, labels, skip_logits):
+        logits = model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+    if labels is not None:
+        loss_fn = causal_lm_loss if causal else token_cross_entropy
+        if logits is not None and not logits_to_keep:
+            loss = loss_fn(logits, labels, nn.Identity(), 0, num_items_in_batch)
+        else:
+            loss = loss_fn(hidden, labels, model.lm_head, model.config.loss_chunk_size, num_items_in_batch)
+    return logits, loss
 
 
 def _as_decoder(config):
@@ -87,15 +99,8 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, cache=take_cache(cache, kwargs), use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True)
-        hidden = out.last_hidden_state
-        loss = logits = None
-        if _wants_logits(self, labels, skip_logits):
-            logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        if labels is not None:
-            if logits is not None and not logits_to_keep:  # reuse them instead of computing the head again
-                loss = causal_lm_loss(logits, labels, _logits_as_given, 0, num_items_in_batch)
-            else:
-                loss = causal_lm_loss(hidden, labels, self.lm_head, self.config.loss_chunk_size, num_items_in_batch)
+        logits, loss = lm_logits_and_loss(self, out.last_hidden_state, labels, causal=True, skip_logits=skip_logits,
+                                          num_items_in_batch=num_items_in_batch, logits_to_keep=logits_to_keep)
         result = with_cache(CausalLMOutputWithPast, output_cache(out), loss=loss, logits=logits,
                             hidden_states=out.hidden_states)
         return as_output(result, return_dict, self.config)
@@ -128,16 +133,8 @@ class ZooForMaskedLM(ZooPreTrainedModel):
                 **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True)
-        hidden = out.last_hidden_state
-        loss = logits = None
-        if _wants_logits(self, labels, skip_logits):
-            logits = self.lm_head(hidden)
-        if labels is not None:
-            if logits is not None:
-                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
-            else:
-                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
-                                           num_items_in_batch)
+        logits, loss = lm_logits_and_loss(self, out.last_hidden_state, labels, causal=False, skip_logits=skip_logits,
+                                          num_items_in_batch=num_items_in_batch)
         return as_output(MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states), return_dict,
                        self.config)
 
@@ -310,15 +307,8 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
             output_hidden_states=bool(output_hidden_states),
         )
-        loss = logits = None
-        if _wants_logits(self, labels, skip_logits):
-            logits = self.lm_head(hidden)
-        if labels is not None:
-            if logits is not None:
-                loss = token_cross_entropy(logits, labels, _logits_as_given, 0, num_items_in_batch)
-            else:
-                loss = token_cross_entropy(hidden, labels, self.lm_head, self.config.loss_chunk_size,
-                                           num_items_in_batch)
+        logits, loss = lm_logits_and_loss(self, hidden, labels, causal=False, skip_logits=skip_logits,
+                                          num_items_in_batch=num_items_in_batch)
         out = with_cache(Seq2SeqLMOutput, cache if use_cache else None, loss=loss, logits=logits,
                          decoder_hidden_states=decoder_hidden,
                          encoder_last_hidden_state=encoder_outputs.last_hidden_state,

@@ -41,6 +41,50 @@ def _restored_rng(state, device: torch.device):
         yield
 
 
+def stream_step(block, x1, x2, context, block_kwargs, recompute=None, rng_device=None):
+    """One reversible block, y1 = x1 + F(x2), y2 = x2 + G(y1): the forward of every reversible path (plain,
+    checkpointed under compilation, and this module's recomputing one). With `rng_device` it also returns the RNG
+    states taken before F and before G, which the recomputing backward restores to replay both exactly."""
+    rng_f = _capture_rng(rng_device) if rng_device is not None else None
+    y1 = x1 + block.attention_branch(x2, context, recompute=recompute, **block_kwargs)
+    rng_g = _capture_rng(rng_device) if rng_device is not None else None
+    y2 = x2 + block.feed_forward_branch(y1)
+    return (y1, y2) if rng_device is None else (y1, y2, (rng_f, rng_g))
+
+
+def _attention_parameters(block):
+    modules = [block.attn_norm, block.attn] + ([block.cross_norm, block.cross_attn] if block.cross_attn else [])
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
+
+
+def _feed_forward_parameters(block):
+    return [p for p in [*block.ffn_norm.parameters(), *block.ffn.parameters()] if p.requires_grad]
+
+
+def _chunked_feed_forward_backward(block, x, grad_out, params):
+    """The backward's step for a chunked G: recompute G(x) and backpropagate `grad_out` through it one chunk at a
+    time, so only one chunk's [chunk, intermediate_size] activations ever exist (chunking saves memory in the
+    backward pass too, Reformer §3). Call under the RNG state of the forward's G.
+    Returns (G(x) detached, dL/dx, gradients of `params`)."""
+    scale = block._residual_scale(x)  # the forward drew nothing before this, so the draws match
+    out, grad_x = torch.empty_like(x), torch.empty_like(x)
+    grads = [None] * len(params)
+    for start in range(0, x.shape[1], block.ffn_chunk_size):
+        span = slice(start, start + block.ffn_chunk_size)
+        part = x[:, span].detach().requires_grad_()
+        with torch.enable_grad():
+            g = block._feed_forward(part)
+        grad = grad_out[:, span] if scale is None else grad_out[:, span] * scale[:, span]
+        part_grads = torch.autograd.grad(g, [part, *params], grad, allow_unused=True)
+        with torch.no_grad():
+            out[:, span] = g if scale is None else g * scale[:, span]
+        grad_x[:, span] = part_grads[0]
+        for i, p_grad in enumerate(part_grads[1:]):
+            if p_grad is not None:
+                grads[i] = p_grad if grads[i] is None else grads[i] + p_grad
+    return out, grad_x, grads
+
+
 class ReversibleStackFunction(torch.autograd.Function):
     """apply(blocks, block_kwargs, concat, x, context, *params) -> (y1 + y2) / 2 for the two streams started at x,
     or [y1, y2] side by side when `concat`.
@@ -57,12 +101,9 @@ class ReversibleStackFunction(torch.autograd.Function):
         ctx.records = []
         x1 = x2 = x
         for block in blocks:
-            recompute, rng_f = Recomputation(), _capture_rng(x.device)
-            y1 = x1 + block.attention_branch(x2, context, recompute=recompute, **block_kwargs)
-            rng_g = _capture_rng(x.device)
-            y2 = x2 + block.feed_forward_branch(y1)
+            recompute = Recomputation()
+            x1, x2, (rng_f, rng_g) = stream_step(block, x1, x2, context, block_kwargs, recompute, x.device)
             ctx.records.append((rng_f, rng_g, recompute))
-            x1, x2 = y1, y2
         ctx.save_for_backward(x1, x2, context)
         ctx.param_index = {id(p): i for i, p in enumerate(params)}
         ctx.concat = concat
@@ -96,12 +137,12 @@ class ReversibleStackFunction(torch.autograd.Function):
 
         for block, (rng_f, rng_g, recompute) in zip(reversed(ctx.blocks), reversed(ctx.records), strict=True):
             recompute.replaying = True
-            g_params = [p for p in block.feed_forward_parameters() if p.requires_grad]
+            g_params = _feed_forward_parameters(block)
             if block.chunked_feed_forward(y1):
                 # Recompute and backpropagate G one chunk at a time: the backward never holds the whole
                 # [length, intermediate_size] activations either.
                 with _restored_rng(rng_g, ctx.device), torch.autocast(device_type, dtype, enabled):
-                    g_out, g_dy1, g_param_grads = block.feed_forward_recompute_backward(y1, dy2, g_params)
+                    g_out, g_dy1, g_param_grads = _chunked_feed_forward_backward(block, y1, dy2, g_params)
                 dy1.add_(g_dy1)
                 accumulate(g_params, g_param_grads)
                 del g_dy1
@@ -118,7 +159,7 @@ class ReversibleStackFunction(torch.autograd.Function):
                 x2 = minus(y2, g_out)
             del g_out
 
-            f_params = [p for p in block.attention_parameters() if p.requires_grad]
+            f_params = _attention_parameters(block)
             with torch.enable_grad(), _restored_rng(rng_f, ctx.device), torch.autocast(device_type, dtype, enabled):
                 x2_in = x2.detach().requires_grad_()
                 f_out = block.attention_branch(x2_in, context_in, recompute=recompute, **ctx.block_kwargs)

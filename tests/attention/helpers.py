@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
-from attnzoo.modeling.attention import Recomputation
+from attnzoo.modeling.attention import Recomputation, UsesRecomputation
 from attnzoo.transformers_compat import output_cache
 
 HIDDEN = 16
@@ -62,6 +62,8 @@ def padding_mask(batch, length, left=2, right=2):
 def fast_and_reference(attn, x, **kwargs):
     """(forward, reference_forward) of `attn` on `x`, the reference replaying the forward's random state (LSH's
     buckets) as a reversible recomputation would."""
+    if not isinstance(attn, UsesRecomputation):
+        return attn(x, **kwargs), attn.reference_forward(x, **kwargs)
     record = Recomputation()
     fast = attn(x, recompute=record, **kwargs)
     record.replaying = True

@@ -4,8 +4,7 @@ An attention module is built as `cls(config, layer_idx, causal)` and called as
 
     out = attn(hidden_states,               # [batch, query_len, hidden_size]
                attention_mask=None,         # bool [batch, past_len + query_len], True = a real token
-               cache=None,                  # a transformers `Cache`; this layer's slot is `layer_idx`
-               recompute=None)              # a `Recomputation` inside a reversible stack (see below)
+               cache=None)                  # a transformers `Cache`; this layer's slot is `layer_idx`
 
 and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
 - `attention_mask` covers every key the query can see: cached ones first, then the current ones. Padded keys are
@@ -22,10 +21,11 @@ and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
   path against it (values and gradients) and against exact softmax attention.
 
 Optional parts, each opted into by a module that needs it:
-- `recompute`: a reversible stack recomputes every block in its backward pass after restoring the RNG state. It
-  passes the same `Recomputation` to the forward pass (`replaying` False) and to its recomputation (`replaying`
-  True); a module stores in `saved` whatever must not change between the two (LSH's buckets), and may keep
-  intermediate results on the recomputation, whose backward follows at once.
+- `UsesRecomputation` (a `recompute=None` keyword of `forward` and `reference_forward`): a reversible stack
+  recomputes every block in its backward pass after restoring the RNG state. It passes the same `Recomputation` to
+  the forward pass (`replaying` False) and to its recomputation (`replaying` True); a module stores in `saved`
+  whatever must not change between the two (LSH's buckets), and may keep intermediate results on the recomputation,
+  whose backward follows at once.
 - `DrawsPerForward.start_forward()`: called once per forward pass of the whole model, before any block runs and
   never on a recomputation, for per-step decisions (Performer's feature redraws).
 - `InitialisesBuffers.init_buffers()`: fills buffers a checkpoint did not provide (called from `_init_weights`).
@@ -126,6 +126,11 @@ class ZooAttention(nn.Module):
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+
+
+class UsesRecomputation:
+    """Mixin for attentions that take the reversible stack's `Recomputation` as `forward(..., recompute=None)` (see
+    the module docstring); only these are passed one."""
 
 
 class DrawsPerForward:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask
+from attnzoo.modeling.attention.base import UsesRecomputation, ZooAttention, check_attention_mask
 from attnzoo.modeling.cache import TokenBufferLayer
 
 
-class ChunkedAttention(ZooAttention):
+class ChunkedAttention(UsesRecomputation, ZooAttention):
     family_config = "ZooReformerConfig"
 
     def __init__(self, config, layer_idx: int, causal: bool, *, chunk_length: int, chunks_before: int,

@@ -56,7 +56,7 @@ class KernelAttention(ZooAttention):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         return (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None):
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape
         layer = self.cache_slot(cache)
@@ -90,7 +90,7 @@ class KernelAttention(ZooAttention):
         layer.store(phi_q.shape[2], s=s, z=z, m=m)
         return out
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
         """The masked quadratic form over the same features (no cache)."""
         q, k, v = self._heads(hidden_states)
         batch, _, length, _ = q.shape

@@ -227,14 +227,14 @@ class LinearRandomizedAttention(CausalLARA, ZooAttention):
         return alpha.clamp(min=ALPHA_FLOOR).log()
 
     # -- entry points -----------------------------------------------------------------------------------------
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None):
         if self.causal:
             out = self.causal_forward(hidden_states, attention_mask, self.cache_slot(cache))
         else:
             out = snis_attention(*self._bidirectional_terms(hidden_states, attention_mask))
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
         """The linear-attention form of the same estimator, without any stabilisation:
         out_n = Σ_c a_nc S_c / Σ_c a_nc z_c, a_nc = α_nc ξ(q̂_n, ω_c) / q̃_c(ω_c), S_c = Σ_m ξ(k̂_m, ω_c) v_m,
         z_c = Σ_m ξ(k̂_m, ω_c); the causal form sums over m <= n with a quadratic mask."""

@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.cache import TokenBufferLayer
-from attnzoo.ops.windowed_attention import windowed_attention
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, pad_to_multiple
+from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple, windowed_attention
 
 
 def leading_padding(key_mask: torch.Tensor) -> torch.Tensor:

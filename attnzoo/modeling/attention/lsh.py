@@ -32,8 +32,7 @@ from attnzoo.modeling.attention.lsh_hashing import (
     sort_by_bucket,
 )
 from attnzoo.modeling.cache import TokenBufferLayer
-from attnzoo.ops.windowed_attention import windowed_attention
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, pad_to_multiple
+from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple, windowed_attention
 
 
 @register_attention("lsh")

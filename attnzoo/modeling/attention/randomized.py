@@ -115,12 +115,12 @@ class RandomizedAttention(ZooAttention):
         return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
                             self.noise_std if self.training else 0.0, uniform)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None):
         q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)
         out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
         """The same draws, with f written as the ratio of the mixture's densities, query factor included:
         f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
         q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)

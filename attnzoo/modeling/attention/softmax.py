@@ -52,7 +52,7 @@ class SoftmaxAttention(ZooAttention):
             k, v = cache.update(k, v, self.layer_idx)
         return q, k, v
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None):
         q, k, v = self._project(hidden_states, cache)
         query_len, key_len = q.shape[2], k.shape[2]
         key_mask = check_attention_mask(attention_mask, q.shape[0], key_len)
@@ -63,7 +63,7 @@ class SoftmaxAttention(ZooAttention):
         out = _sdpa(q, k, v, allowed, causal_flag, self.dropout if self.training else 0.0)
         return self.o_proj(self.merge_heads(out))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
         q, k, v = self._project(hidden_states, cache)
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)

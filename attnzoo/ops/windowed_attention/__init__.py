@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from attnzoo.ops.triton_utils import resolve_backend
-from attnzoo.ops.windowed_attention.torch_window import WindowMask
+from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, pad_to_multiple
 from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
 
-__all__ = ["windowed_attention"]
+# The mask description and the two helpers callers build it with are part of the op's interface.
+__all__ = ["WindowMask", "mask_values", "pad_to_multiple", "windowed_attention"]
 
 WINDOW_BACKENDS = ("auto", "torch", "triton", "flex")
 

@@ -98,20 +98,23 @@ class FamilySuite:
         for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
 
-    def test_bad_config_raises_value_error(self):
-        bad_values = [
-            dict(num_attention_heads=5),  # does not divide hidden_size
-            dict(position_embedding_type="rotary-ish"),
-            dict(hidden_dropout_prob=1.5),
-            dict(chunk_size_feed_forward=-1),
-            dict(position_embedding_type="axial", axial_pos_shape=[4, 4], axial_pos_embds_dim=[16, 16]),
-            dict(position_embedding_type="axial", axial_pos_shape=[16, 8], axial_pos_embds_dim=[16, 8]),
-            dict(pooling="max"),
-            dict(patch_size=5),
-        ]
-        for values in bad_values:
-            with pytest.raises(ValueError):
-                self.make_config(**values)
+    @pytest.mark.parametrize("values, field", [
+        (dict(num_attention_heads=5), "num_attention_heads"),  # does not divide hidden_size
+        (dict(position_embedding_type="rotary-ish"), "position_embedding_type"),
+        (dict(hidden_dropout_prob=1.5), "hidden_dropout_prob"),
+        (dict(chunk_size_feed_forward=-1), "chunk_size_feed_forward"),
+        (dict(position_embedding_type="axial", axial_pos_shape=[4, 4], axial_pos_embds_dim=[16, 16]),
+         "axial_pos_shape"),
+        (dict(position_embedding_type="axial", axial_pos_shape=[16, 8], axial_pos_embds_dim=[16, 8]),
+         "axial_pos_embds_dim"),
+        (dict(pooling="max"), "pooling"),
+        (dict(patch_size=5), "patch_size"),
+    ])
+    def test_bad_config_raises_value_error_naming_the_field(self, values, field):
+        with pytest.raises(ValueError, match=rf"^{field}=.* is invalid: "):
+            self.make_config(**values)
+
+    def test_unknown_attention_names_raise_where_the_blocks_are_built(self):
         # Attention names are checked where the blocks are built (the registry is open to new attentions).
         with pytest.raises(ValueError, match="attn_layers.*no-such-attention"):
             self.model_class("ForCausalLM")(self.make_config(attn_layers=["no-such-attention"]))

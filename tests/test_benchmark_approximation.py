@@ -148,10 +148,18 @@ def test_ra_query_chunks_give_the_same_estimator(monkeypatch):
     assert chunked.self_weight.shape == (1, 1, 12)
 
 
-def test_bad_benchmark_arguments_raise():
-    for bad in (["--samples", "4", "10"], ["--samples", "16", "4"], ["--draws", "0"], ["--train_images", "10"]):
-        with pytest.raises(ValueError):
-            aq.parse_args(bad)
+@pytest.mark.parametrize("bad, message", [
+    (["--samples", "4", "10"], "--samples 10: every count must be a perfect square"),
+    (["--samples", "16", "4"], "--samples and --per_proposal must be increasing"),
+    (["--draws", "0"], "--draws must be at least 1"),
+    (["--train_images", "10"], "--train_images must be between"),
+])
+def test_bad_benchmark_arguments_raise_naming_the_flag(bad, message):
+    with pytest.raises(ValueError, match=message):
+        aq.parse_args(bad)
+
+
+def test_synthetic_data_refuses_an_unknown_distribution():
     with pytest.raises(ValueError, match="iid"):
         aq.synthetic_qkv("uniform", 1, 0, "cpu")
 

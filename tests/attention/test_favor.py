@@ -156,8 +156,9 @@ def test_elu_features_are_positive_and_follow_alpha():
         config(attn_layers=["elu"], elu_alpha=1.5)
 
 
-def test_bad_performer_settings_raise():
-    for bad in (dict(feature_redraw="sometimes"), dict(feature_map="trig"), dict(num_random_features=0),
-                dict(linear_attention_chunk_size=0), dict(feature_norm="unit")):
-        with pytest.raises(ValueError):
-            config(**bad)
+@pytest.mark.parametrize("bad", [dict(feature_redraw="sometimes"), dict(feature_map="trig"),
+                                 dict(num_random_features=0), dict(linear_attention_chunk_size=0),
+                                 dict(feature_norm="unit")])
+def test_bad_performer_settings_raise_naming_the_field(bad):
+    with pytest.raises(ValueError, match=rf"^{next(iter(bad))}=.* is invalid: "):
+        config(**bad)

@@ -250,10 +250,14 @@ def test_causal_lara_gradients_stay_finite_with_large_activations():
     assert torch.isfinite(x.grad).all()
 
 
-def test_bad_lara_settings_raise():
-    for bad in (dict(lara_weighting="optimal"), dict(lara_proposal_mean="eq33"), dict(lara_num_samples=0),
-                dict(lara_landmarks="3d"), dict(sample_noise_std="loud"), dict(lara_r_normalize="keys")):
-        with pytest.raises(ValueError):
-            ZooLARAConfig(**bad)
+@pytest.mark.parametrize("bad", [dict(lara_weighting="optimal"), dict(lara_proposal_mean="eq33"),
+                                 dict(lara_num_samples=0), dict(lara_landmarks="3d"), dict(sample_noise_std="loud"),
+                                 dict(lara_r_normalize="keys")])
+def test_bad_lara_settings_raise_naming_the_field(bad):
+    with pytest.raises(ValueError, match=rf"^{next(iter(bad))}=.* is invalid: "):
+        ZooLARAConfig(**bad)
+
+
+def test_causal_lara_takes_one_sample_per_proposal():
     with pytest.raises(ValueError, match="one sample per proposal"):
         lara_module(causal=True, lara_samples_per_proposal=2)

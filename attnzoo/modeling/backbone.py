@@ -61,7 +61,8 @@ class ZooBlock(GradientCheckpointingLayer):
         self.drop_path_rate = drop_path_rate
         self.ffn_chunk_size = config.chunk_size_feed_forward
 
-    def _residual(self, x):
+    def _drop_branch(self, x):
+        """A branch output before it joins the residual stream: dropout, then stochastic depth (drop-path)."""
         return drop_path(self.dropout(x), self.drop_path_rate, self.training)
 
     def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, cache=None,
@@ -70,18 +71,18 @@ class ZooBlock(GradientCheckpointingLayer):
         `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py)."""
         self_cache = getattr(cache, "self_attention_cache", cache)
         replay = {"recompute": recompute} if isinstance(self.attn, UsesRecomputation) else {}
-        out = self._residual(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache, **replay))
+        out = self._drop_branch(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache, **replay))
         if self.cross_attn is not None:
             cross_cache = cache if hasattr(cache, "cross_attention_cache") else None
             cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
                                     cross_cache)
-            out = out + self._residual(cross)
+            out = out + self._drop_branch(cross)
         return out
 
     def feed_forward_branch(self, x):
         """G(x): the feed-forward, over sequence chunks of `chunk_size_feed_forward` when set (Reformer §3)."""
         if not self.chunked_feed_forward(x):
-            return self._residual(self._feed_forward(x))
+            return self._drop_branch(self._feed_forward(x))
         # Sequential chunks bound the [chunk, intermediate_size] activation (a memory-for-time trade by design).
         # transformers' apply_chunking_to_forward is not used: it refuses lengths that are not a chunk multiple.
         out = torch.cat([self._feed_forward(part) for part in x.split(self.ffn_chunk_size, dim=1)], dim=1)
@@ -92,11 +93,11 @@ class ZooBlock(GradientCheckpointingLayer):
         return bool(self.ffn_chunk_size) and x.shape[1] > self.ffn_chunk_size
 
     def _residual_scale(self, like):
-        """The random factor `_residual` multiplies a branch output by (dropout, drop-path), drawn exactly as
-        `_residual(like)` would draw it, or None when there is none."""
+        """The random factor `_drop_branch` multiplies a branch output by (dropout, drop-path), drawn exactly as
+        `_drop_branch(like)` would draw it, or None when there is none."""
         if not self.training or (self.dropout.p == 0.0 and self.drop_path_rate == 0.0):
             return None
-        return self._residual(torch.ones_like(like))
+        return self._drop_branch(torch.ones_like(like))
 
     def _feed_forward(self, x):
         return self.ffn(self.ffn_norm(x))

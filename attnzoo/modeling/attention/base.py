@@ -91,13 +91,13 @@ class ZooAttention(nn.Module):
     #: the config class (by name) whose fields the module reads; a model built with another config is refused.
     family_config: ClassVar[str] = "ZooConfig"
 
-    def __init__(self, config, layer_idx: int, causal: bool):
+    def __init__(self, config, layer_idx: int, causal: bool, head_dim: int | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.causal = causal
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
+        self.head_dim = head_dim or config.head_dim  # hidden_size / heads unless the attention has its own width
         self.hidden_size = config.hidden_size
 
     def build_projections(self) -> None:

@@ -16,8 +16,7 @@ class ChunkedAttention(UsesRecomputation, ZooAttention):
 
     def __init__(self, config, layer_idx: int, causal: bool, *, chunk_length: int, chunks_before: int,
                  chunks_after: int, dropout: float | None):
-        super().__init__(config, layer_idx, causal)
-        self.head_dim = config.reformer_head_size
+        super().__init__(config, layer_idx, causal, head_dim=config.reformer_head_size)
         self.inner_size = self.num_heads * self.head_dim
         self.chunk_length, self.chunks_before = chunk_length, chunks_before
         self.chunks_after = 0 if causal else chunks_after  # a causal query has nothing to see ahead

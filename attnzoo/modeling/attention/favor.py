@@ -78,7 +78,9 @@ class KernelAttention(ZooAttention):
         """Causal linear attention with keys stabilised by their running maximum: the chunked parallel form (fused on
         CUDA), or, with a cache slot, the recurrent form continuing from its state (S, z, M) and storing the new
         state. Both compute the same function; no output depends on a later token."""
-        state = (layer.state["s"], layer.state["z"], layer.state["m"]) if layer is not None and layer.state else None
+        state = None
+        if layer is not None and layer.state:  # S = Σ φk vᵀ, z = Σ φk and the running maximum M, as stored
+            state = (layer.state["kv_sum"], layer.state["key_sum"], layer.state["running_max"])
         phi_k, running_max = running_max_key_features(log_phi_k, key_mask, None if state is None else state[2])
         if layer is None:
             return decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size)
@@ -87,7 +89,7 @@ class KernelAttention(ZooAttention):
         else:  # a prefill, or several tokens at once over a cache
             out, (s, z, m) = decayed_linear_attention(phi_q, phi_k, v, running_max, self.chunk_size,
                                                       initial_state=state, return_state=True)
-        layer.store(phi_q.shape[2], s=s, z=z, m=m)
+        layer.store(phi_q.shape[2], kv_sum=s, key_sum=z, running_max=m)
         return out
 
     def reference_forward(self, hidden_states, attention_mask=None, cache=None):

@@ -1,4 +1,4 @@
-"""The test suite every model family runs by subclassing `FamilySuite` (see test_family_softmax.py).
+"""The test suite every model family runs by subclassing `FamilySuite` (see tests/models/test_family_softmax.py).
 
 A subclass sets `config_class` and `prefix` (the class-name prefix of its model classes) and may override
 `config_overrides` (e.g. attention settings), `attention_patterns` (attn_layers to test), `atol` (the

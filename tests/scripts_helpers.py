@@ -1,4 +1,4 @@
-"""Shared helpers of the tests/test_scripts_*.py end-to-end tests: loading a script as a module, tiny models,
+"""Shared helpers of the tests/scripts/test_scripts_*.py end-to-end tests: loading a script as a module, tiny models,
 small offline data sets, comparing saved weights, and `accelerate launch` subprocesses."""
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 from attnzoo.registration import FAMILY_CONFIGS
 from attnzoo.remote_code import family_model_classes, remote_code_files, unguarded_imports
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "adding_an_attention.md"
-ROOT = Path(__file__).resolve().parents[1]
+DOC = Path(__file__).resolve().parents[2] / "docs" / "adding_an_attention.md"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def doc_blocks() -> dict[str, str]:
@@ -34,6 +34,7 @@ def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_page_runs_as_written_and_the_checkpoint_loads_without_attnzoo(tmp_path):
     blocks = doc_blocks()
     assert list(blocks) == ["temperature_attention.py", "train_and_save.py", "load_and_generate.py"]

@@ -29,8 +29,14 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import attnzoo
 from attnzoo.tokenization import BYTE_LEVEL_VOCAB_SIZE, byte_level_tokenizer
-from tests import test_family_lara, test_family_performer, test_family_ra, test_family_reformer, test_family_softmax
 from tests.family_suite import AUTO
+from tests.models import (
+    test_family_lara,
+    test_family_performer,
+    test_family_ra,
+    test_family_reformer,
+    test_family_softmax,
+)
 from tests.scripts_helpers import ROOT, load_script
 
 # The family suites' model builders (imported as modules, so pytest does not collect their tests here again).

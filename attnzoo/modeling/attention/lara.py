@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.lara_causal import ALPHA_FLOOR, CausalLARA
-from attnzoo.modeling.attention.random_features import log_features_at, sample_noise_std, snis_attention
+from attnzoo.modeling.attention.random_features import log_features_at, snis_attention
 
 
 def segment_assignment(key_mask: torch.Tensor | None, batch: int, length: int, segments: int,
@@ -51,57 +51,9 @@ def segment_assignment(key_mask: torch.Tensor | None, batch: int, length: int, s
 
 
 @register_attention("lara")
-class LinearRandomizedAttention(CausalLARA, ZooAttention):
-    """LARA: bidirectional here, causal (decoders) through `CausalLARA`."""
-
-    family_config = "ZooLARAConfig"
-
-    def __init__(self, config, layer_idx: int, causal: bool):
-        super().__init__(config, layer_idx, causal)
-        self.build_projections()
-        self.num_proposals = config.lara_num_samples
-        self.samples_per_proposal = config.lara_samples_per_proposal
-        self.landmarks = config.lara_landmarks
-        self.proposal_mean = config.lara_proposal_mean
-        self.weighting = config.lara_weighting
-        self.alpha_coeff = config.lara_alpha_coeff
-        self.r_normalize = config.lara_r_normalize
-        self.chunk_size = config.lara_chunk_size
-        self.noise_std = sample_noise_std(config.sample_noise_std, self.head_dim)
-        if config.lara_landmark_transform:  # "light" mode: one Linear+LayerNorm on the head dimension, all heads
-            self.landmark_q = nn.Sequential(nn.Linear(self.head_dim, self.head_dim), nn.LayerNorm(self.head_dim))
-            self.landmark_k = nn.Sequential(nn.Linear(self.head_dim, self.head_dim), nn.LayerNorm(self.head_dim))
-        else:
-            self.landmark_q = self.landmark_k = None
-        self._segment_cache = {}
-        self.image_grid = None  # (rows, cols) when an image encoder declares its patch grid
-        if causal and self.samples_per_proposal != 1:
-            raise ValueError("causal LARA draws one sample per proposal; set lara_samples_per_proposal=1.")
-
-    def set_image_layout(self, grid_size, class_token: bool) -> None:
-        """2-D landmarks (pooled grid cells) when the tokens are exactly the patch grid; validated here, at
-        construction."""
-        self.image_grid = tuple(grid_size)
-        two_d = self.landmarks == "2d" or (self.landmarks == "auto" and not class_token)
-        if not two_d:
-            return
-        if class_token:
-            raise ValueError("lara_landmarks='2d' needs the tokens to be exactly the patch grid, but this image model "
-                             "has a class token (pooling='cls'); use pooling='mean' or lara_landmarks='1d'.")
-        side = math.isqrt(self.num_proposals)
-        if side * side != self.num_proposals:
-            raise ValueError(f"lara_num_samples={self.num_proposals} is invalid for this image model: its tokens are "
-                             f"a {grid_size[0]}x{grid_size[1]} patch grid, so landmarks are pooled grid cells "
-                             f"(lara_landmarks={self.landmarks!r}) and the count must be a perfect square (e.g. "
-                             f"{max(1, side) ** 2} or {(side + 1) ** 2}), or set lara_landmarks='1d'.")
-
-    # -- shared pieces ----------------------------------------------------------------------------------------
-    def _inputs(self, hidden_states):
-        compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        return (self.split_heads(p(hidden_states)).to(compute) for p in (self.q_proj, self.k_proj, self.v_proj))
-
-    def _transform(self, module, x):
-        return x if module is None else module(x.to(module[0].weight.dtype)).to(x.dtype)
+class LinearRandomizedAttention(CausalLARA):
+    """LARA: the bidirectional estimator here, the causal one (decoders) inherited from `CausalLARA`; what both use
+    (settings, landmark transforms, sample draws, the image-grid check) is `LARABase`'s."""
 
     def _landmarks(self, q, k, key_mask, grid_size):
         """(q̄, k̄ [B, H, C, d] unscaled, valid [B, C] bool, or None when every proposal has tokens)."""
@@ -110,9 +62,7 @@ class LinearRandomizedAttention(CausalLARA, ZooAttention):
         # "auto": 2-D when the tokens are exactly the patch grid; with a class token, 1-D segments.
         two_d = self.landmarks == "2d" or (self.landmarks == "auto" and is_grid)
         if two_d:
-            side = math.isqrt(self.num_proposals)
-            if side * side != self.num_proposals:
-                raise ValueError(f"lara_num_samples={self.num_proposals} must be a perfect square for 2-D landmarks.")
+            side = math.isqrt(self.num_proposals)  # a perfect square: checked by the config or set_image_layout
             if not is_grid:
                 raise ValueError(f"2-D landmarks need the tokens to be exactly a patch grid ({length} tokens, grid "
                                  f"{grid_size}); use pooling='mean' (no class token) or lara_landmarks='1d'.")
@@ -156,12 +106,6 @@ class LinearRandomizedAttention(CausalLARA, ZooAttention):
         if valid is not None:
             logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         return q_bar_hat + logits.softmax(-1) @ k_bar_hat
-
-    def _draw(self, mu):
-        if self.training and self.noise_std:
-            # randn(shape), not randn_like: the draws must not depend on the tensor's memory layout.
-            return mu + self.noise_std * torch.randn(mu.shape, device=mu.device, dtype=mu.dtype)
-        return mu
 
     # -- bidirectional ------------------------------------------------------------------------------------
     def _bidirectional_terms(self, hidden_states, attention_mask):

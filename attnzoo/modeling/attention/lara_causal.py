@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from attnzoo.modeling.attention.base import check_attention_mask
+from attnzoo.modeling.attention.lara_base import LARABase
 from attnzoo.modeling.attention.random_features import log_features_at, running_max_key_features
 from attnzoo.modeling.cache import RecurrentStateLayer
 from attnzoo.ops.decayed_linear_attention import decayed_linear_attention
@@ -24,9 +25,9 @@ from attnzoo.ops.decayed_linear_attention import decayed_linear_attention
 ALPHA_FLOOR = 1e-8  # the official code's clamp: the query-specific correction can make α negative
 
 
-class CausalLARA:
-    """The causal half of `LinearRandomizedAttention` (a mixin: it uses that class's projections, landmark
-    transforms `_transform`, `_inputs` and sample draws `_draw`)."""
+class CausalLARA(LARABase):
+    """Causal LARA over `LARABase`'s settings, landmark transforms and draws; `LinearRandomizedAttention` adds the
+    bidirectional form and is the registered "lara"."""
 
     def _causal_terms(self, q, k, v, n_real):
         """Features of the chunk-causal form for left-aligned q, k, v [B, H, N, d] with n_real real tokens per row:

@@ -4,6 +4,7 @@ Hub), and their checks. A script adds its data and model arguments, then parses 
 from __future__ import annotations
 
 import argparse
+import math
 
 from attnzoo.registration import FAMILY_CONFIGS
 from attnzoo.training.tracking import REPORT_TO_CHOICES
@@ -61,6 +62,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="'latest' (start fresh if there is none) or an OUTPUT_DIR/checkpoints/step_N folder")
     g.add_argument("--output_dir", default="runs/run")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="start a new run in an --output_dir that already holds files, deleting them first (without "
+                        "it such a folder is refused, unless --resume_from_checkpoint continues the run in it)")
     g.add_argument("--report_to", default="auto", choices=REPORT_TO_CHOICES,
                    help="auto: a metrics.jsonl, plus TensorBoard when installed")
 
@@ -99,8 +103,16 @@ def check_training_arguments(args: argparse.Namespace) -> None:
                              "first).")
     if args.logging_steps < 1:
         raise ValueError(f"--logging_steps={args.logging_steps} is invalid: set a positive integer.")
-    if not args.learning_rate > 0:
-        raise ValueError(f"--learning_rate={args.learning_rate} is invalid: set a positive value.")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        raise ValueError(f"--learning_rate={args.learning_rate} is invalid: set a positive, finite value.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a value in [0, 1) (e.g. 0.9, 0.999).")
+    if not (math.isfinite(args.adam_epsilon) and args.adam_epsilon > 0):
+        raise ValueError(f"--adam_epsilon={args.adam_epsilon} is invalid: set a small positive value (e.g. 1e-8).")
+    for name in ("weight_decay", "max_grad_norm"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a finite value >= 0.")
     if args.max_train_steps is None and args.num_train_epochs is None:
         raise ValueError("set --max_train_steps (optimizer steps) or --num_train_epochs.")
     if args.max_train_steps is not None and args.max_train_steps < 1:

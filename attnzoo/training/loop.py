@@ -27,6 +27,7 @@ from transformers import AutoConfig, get_scheduler
 from attnzoo.training.checkpoints import read_loop_state, resolve_resume, save_checkpoint
 from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.recipes import parse_model_overrides
+from attnzoo.training.run_dir import check_output_dir, start_output_dir
 from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
@@ -37,6 +38,7 @@ VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, positio
 
 def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
     output_dir = Path(args.output_dir)
+    check_output_dir(args)  # before anything is written
     trackers = build_trackers(args.report_to, output_dir, run_name)
     accelerator = Accelerator(
         # Without an accelerator device, `cpu=True` is what makes `accelerate launch --multi_gpu` processes join one
@@ -311,6 +313,7 @@ def prepare_run(accelerator: Accelerator, args, model, loader: DataLoader, run_n
         per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
         args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
+    start_output_dir(accelerator, args)  # everything checked and built: the run now takes the folder
     guard = TrainingGuard(accelerator, args, Path(args.output_dir))
     start_step = resume_if_asked(accelerator, args, guard)
     accelerator.init_trackers(run_name, {k: str(v) for k, v in vars(args).items() if k != "hub_token"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -46,7 +47,10 @@ class JSONLinesTracker(GeneralTracker):
 
 
 def _plain(value):
-    return value.item() if hasattr(value, "item") else value
+    """A JSON value: tensors become numbers, and NaN or infinity (a skipped step's loss) become null, which strict
+    JSON readers accept (Python's json would write a bare NaN)."""
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attnzoo import ZooReformerForCausalLM
+from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation
 from attnzoo.modeling.attention.base import allowed_keys
 from attnzoo.modeling.attention.local import LocalAttention
@@ -350,3 +350,26 @@ def test_causal_threshold_is_per_position_in_fast_path_reference_and_decoding():
     assert_same_values_and_gradients(attn, x, None, *fast_and_reference(attn, x))
     model = decoding_model(lsh_full_attention_threshold=5)
     assert_cached_decoding_equals_full_forward(model, torch.randint(2, 37, (2, 16)), prefix=2)
+
+
+@pytest.mark.parametrize("reversible", [False, True])
+@pytest.mark.parametrize("training", [False, True])
+def test_one_examples_nan_never_reaches_the_other_examples(reversible, training):
+    """Examples in a batch never influence each other: a NaN in one example's inputs leaves the others finite and
+    unchanged (LSH windows at a row's end read the next row's chunks with probability 0, and 0 * NaN is NaN)."""
+    torch.manual_seed(0)
+    config = ZooReformerConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=128, attn_layers=["lsh", "local"],
+                               lsh_chunk_length=8, local_chunk_length=8, reversible=reversible, is_decoder=True,
+                               hidden_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0)
+    model = ZooReformerForCausalLM(config).train(training)
+    embeds = model.model.embed_tokens(torch.randint(0, 40, (3, 40))).detach()
+    poisoned = embeds.clone()
+    poisoned[1, 5] = float("nan")
+    with torch.no_grad():
+        torch.manual_seed(1)
+        clean = model(inputs_embeds=embeds, use_cache=False).logits
+        torch.manual_seed(1)
+        dirty = model(inputs_embeds=poisoned, use_cache=False).logits
+    assert torch.isnan(dirty[1]).any()
+    torch.testing.assert_close(dirty[[0, 2]], clean[[0, 2]], rtol=0, atol=0)

@@ -186,3 +186,34 @@ def test_bad_inputs_say_what_to_change():
         windowed_attention(q, k[:, :2], v, mask)
     with pytest.raises(ValueError, match=r"positions and valid must be"):
         windowed_attention(q[:1], k[:1], v[:1], mask)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "flex", "naive"])
+@pytest.mark.parametrize("case", ["local-causal", "lsh-chunk-bidirectional"])
+def test_a_row_with_nan_inputs_leaves_every_other_row_unchanged(case, backend, monkeypatch):
+    """A window at the end of a row reads the neighbouring row's chunks (masked, probability 0), and 0 * NaN is NaN:
+    one example's NaN must not reach another example's outputs, on any backend."""
+    q, k, v, mask, scale = CASES[case](monkeypatch)
+    if mask.before == 0 and mask.after == 0:
+        pytest.skip("no window leaves its row")
+    poisoned = 1
+    bad = [x.clone() for x in (q, k, v)]
+    for x in bad:
+        x[poisoned] = float("nan")
+
+    def call(q, k, v):
+        if backend == "naive":
+            return naive_windowed_attention(q, k, v, mask, scale)[0]
+        device_mask = WindowMask(**{name: value.to(DEVICE) if torch.is_tensor(value) else value
+                                    for name, value in vars(mask).items()}) if backend == "triton" else mask
+        device = DEVICE if backend == "triton" else "cpu"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager FlexAttention on the CPU warns that it is unfused
+            out, _ = windowed_attention(*(x.to(device) for x in (q, k, v)), device_mask, scale, backend=backend)
+        return out.cpu()
+
+    with torch.no_grad():
+        clean, dirty = call(q, k, v), call(*bad)
+    others = [row for row in range(q.shape[0]) if row != poisoned]
+    assert torch.isnan(dirty[poisoned]).any()  # the poisoned row itself still shows its NaN
+    torch.testing.assert_close(dirty[others], clean[others], rtol=0, atol=0)

@@ -169,19 +169,26 @@ class WindowMask:
         return cols[None, :] == rows[:, None] + self.before * m
 
 
-def _padded_flat(x: torch.Tensor, before: int, after: int) -> torch.Tensor:
+def _padded_flat(x: torch.Tensor, before: int, after: int, finite: bool = False) -> torch.Tensor:
     """[N, C, m, d] -> [N * C + before + after, m, d]: all chunks in one row with `before` zero chunks in front and
-    `after` behind, so every chunk's window is a contiguous run of rows (see `_flat_windows`)."""
+    `after` behind, so every chunk's window is a contiguous run of rows (see `_flat_windows`).
+
+    `finite` (the values): a window at the end of a row reads the neighbouring row's chunks, masked with probability
+    exactly 0, but 0 * NaN is NaN: one example's NaN values would reach the next example's outputs. Non-finite values
+    are zeroed in this copy, so examples never influence each other; an example with NaN inputs still gets NaN
+    outputs, through its own queries and keys (a masked score is overwritten, an allowed NaN one is not)."""
     flat = x.reshape(-1, *x.shape[-2:])
     if before == 0 and after == 0:
-        return flat.contiguous()  # `_flat_windows` reads it with contiguous strides
-    return F.pad(flat, (0, 0, 0, 0, before, after))
+        return flat.contiguous()  # `_flat_windows` reads it with contiguous strides; no window leaves its row
+    padded = F.pad(flat, (0, 0, 0, 0, before, after))
+    return padded.nan_to_num_(0.0, 0.0, 0.0) if finite else padded
 
 
 def _flat_windows(padded: torch.Tensor, num_chunks: int, blocks: int) -> torch.Tensor:
     """[N * C, blocks * m, d] overlapping views of `_padded_flat` rows: window i = chunks i - before .. i + after.
     No copy. Windows at the ends of a row of C chunks reach into the neighbouring row (or the zero padding); those
-    keys are always masked, so their probabilities and gradients are exactly 0."""
+    keys are always masked, so their probabilities and gradients are exactly 0 (and the values' copy is finite, see
+    `_padded_flat`)."""
     _, m, d = padded.shape
     return padded.as_strided((num_chunks, blocks * m, d), (m * d, d, 1))  # from the tensor's own offset
 
@@ -218,7 +225,7 @@ class WindowedAttention(torch.autograd.Function):
         before, after = mask.before, mask.after
         num_chunks, blocks = shape[0] * shape[1], before + 1 + after
         q_flat = q.reshape(num_chunks, *shape[-2:])
-        k_padded, v_padded = _padded_flat(k, before, after), _padded_flat(v, before, after)
+        k_padded, v_padded = _padded_flat(k, before, after), _padded_flat(v, before, after, finite=True)
         probs, lse = _softmax_(_masked_scores(q_flat, _flat_windows(k_padded, num_chunks, blocks), mask, scale))
         probs_flat = probs.view(num_chunks, shape[-2], -1)
         v_windows = _flat_windows(v_padded, num_chunks, blocks)

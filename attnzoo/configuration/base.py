@@ -9,6 +9,8 @@ checked where the blocks are built, against the registry of attention modules.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 
 from transformers import PreTrainedConfig
@@ -23,6 +25,38 @@ REVERSIBLE_MERGES = ("mean", "concat")
 HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "tanh")
 
 
+#: other projects' names for attnzoo settings, accepted as keyword arguments and stored under attnzoo's name:
+#: transformers' Reformer (`num_hashes`, `num_buckets`, `hash_seed`, `lsh_attn_chunk_length`,
+#: `local_attn_chunk_length`, `feed_forward_size`) and performer-pytorch (`nb_features`)
+PEER_SPELLINGS = {
+    "num_hashes": "lsh_num_hashes",
+    "num_buckets": "lsh_num_buckets",
+    "hash_seed": "lsh_hash_seed",
+    "lsh_attn_chunk_length": "lsh_chunk_length",
+    "local_attn_chunk_length": "local_chunk_length",
+    "feed_forward_size": "intermediate_size",
+    "nb_features": "num_random_features",
+}
+#: keys transformers writes into or passes through a config besides its fields (they vary between releases)
+_TRANSFORMERS_EXTRA_KEYS = {
+    "auto_map", "model_type", "name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype",
+    "tokenizer_class", "id2label", "label2id", "num_labels", "problem_type", "prefix", "task_specific_params",
+    "finetuning_task", "attn_implementation", "experts_implementation", "quantization_config", "use_bfloat16",
+    "pruned_heads", "tf_legacy_loss", "torchscript", "output_attentions", "output_hidden_states", "return_dict",
+    "sep_token_id", "is_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
+}
+
+
+@functools.cache
+def transformers_config_keys() -> frozenset[str]:
+    """Names transformers' `PreTrainedConfig` itself accepts: its fields and attributes on the installed release,
+    generation settings (older configs carry them), and the extra keys above."""
+    from transformers import GenerationConfig
+
+    names = set(dir(PreTrainedConfig)) | set(getattr(PreTrainedConfig, "__dataclass_fields__", {}))
+    return frozenset(names | set(GenerationConfig().to_dict()) | _TRANSFORMERS_EXTRA_KEYS)
+
+
 def _near_square_factors(n: int) -> tuple[int, int]:
     """The factor pair (a, b) of the smallest power of two >= n with a*b >= n and a, b as close as possible."""
     total = 1 << max(0, (n - 1).bit_length())
@@ -32,7 +66,9 @@ def _near_square_factors(n: int) -> tuple[int, int]:
 
 class ZooConfig(PreTrainedConfig):
     r"""
-    Shared configuration of every attnzoo model. Standard transformers names are used where one exists.
+    Shared configuration of every attnzoo model. Standard transformers names are used where one exists. A keyword
+    that is not a setting raises `ValueError` naming the closest one; other projects' names listed in
+    `PEER_SPELLINGS` (transformers' Reformer `num_hashes`, performer-pytorch's `nb_features`, ...) set attnzoo's.
 
     Args:
         vocab_size: token vocabulary (256 for byte-level models).
@@ -118,6 +154,7 @@ class ZooConfig(PreTrainedConfig):
     decoder_start_token_id: int | None = None
 
     def __post_init__(self, **kwargs):
+        kwargs = self._settings_from_other_names(kwargs)
         self.attn_layers = list(self.attn_layers)
         self.decoder_attn_layers = list(self.decoder_attn_layers)
         if self.num_decoder_layers is None:
@@ -134,6 +171,33 @@ class ZooConfig(PreTrainedConfig):
             self.axial_pos_embds_dim = list(self.axial_pos_embds_dim)
         super().__post_init__(**kwargs)
         self.validate_architecture()
+
+    def _settings_from_other_names(self, kwargs: dict) -> dict:
+        """Keyword arguments that are not fields: transformers' own config keys pass on; another project's name for
+        one of this config's fields (`PEER_SPELLINGS`) sets that field; anything else is refused, naming the closest
+        field, rather than kept as an attribute nothing reads."""
+        fields = set(self.__dataclass_fields__)
+        passed = {}
+        for key, value in kwargs.items():
+            target = PEER_SPELLINGS.get(key)
+            if target in fields:
+                if getattr(self, target) != self.__dataclass_fields__[target].default and \
+                        getattr(self, target) != value:
+                    raise ValueError(f"{key}={value!r} and {target}={getattr(self, target)!r} set the same thing "
+                                     f"({key} is another project's name for {target}); pass only {target}.")
+                setattr(self, target, value)
+            elif key.startswith("_") or key in transformers_config_keys():
+                passed[key] = value
+            elif target is not None:
+                raise ValueError(f"{key}={value!r}: {key} is another project's name for {target}, which "
+                                 f"{type(self).__name__} does not have; use the family whose config has {target}.")
+            else:
+                names = fields | {peer for peer, field in PEER_SPELLINGS.items() if field in fields}
+                close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+                hint = f"; did you mean {PEER_SPELLINGS.get(close[0], close[0])!r}?" if close else \
+                    f"; see the {type(self).__name__} docstring for its settings."
+                raise ValueError(f"{key}={value!r} is not a setting of {type(self).__name__}{hint}")
+        return passed
 
     # -- validation -------------------------------------------------------------------------------------------
     def validate_architecture(self) -> None:

@@ -86,3 +86,45 @@ def test_model_overrides_parse_yaml_values():
         "hidden_size": 128, "attn_layers": ["local", "lsh"], "reversible": True}
     with pytest.raises(ValueError, match="name=value"):
         parse_model_overrides(["hidden_size"])
+
+
+@pytest.mark.parametrize("model_type, key, value, field", [
+    ("attnzoo_reformer", "num_hashes", 4, "lsh_num_hashes"),  # transformers' Reformer spelling
+    ("attnzoo_reformer", "num_buckets", 16, "lsh_num_buckets"),
+    ("attnzoo_reformer", "feed_forward_size", 96, "intermediate_size"),
+    ("attnzoo_performer", "nb_features", 64, "num_random_features"),  # performer-pytorch's
+])
+def test_other_projects_names_for_a_setting_set_it(model_type, key, value, field):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{key: value})
+    assert getattr(config, field) == value and not hasattr(config, key)
+    assert type(config).from_dict(config.to_dict()).to_dict() == config.to_dict()  # saved and reloaded as itself
+
+
+@pytest.mark.parametrize("model_type, values, message", [
+    ("attnzoo_softmax", dict(attn_layer=["lsh"]), r"attn_layer=\['lsh'\] is not a setting of ZooSoftmaxConfig; did "
+                                                  r"you mean 'attn_layers'\?"),
+    ("attnzoo_reformer", dict(num_hash=4), r"num_hash=4 is not a setting of ZooReformerConfig; did you mean "
+                                           r"'lsh_num_hashes'\?"),
+    ("attnzoo_softmax", dict(nb_features=64), r"nb_features is another project's name for num_random_features, "
+                                              r"which ZooSoftmaxConfig does not have"),
+    ("attnzoo_reformer", dict(num_hashes=4, lsh_num_hashes=3), r"num_hashes=4 and lsh_num_hashes=3 set the same "
+                                                               r"thing.*pass only lsh_num_hashes"),
+])
+def test_unknown_settings_are_refused_naming_the_close_match(model_type, values, message):
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=message):
+        AutoConfig.for_model(model_type, **values)
+
+
+def test_saved_configs_load_with_the_keys_transformers_writes(tmp_path):
+    from transformers import AutoConfig
+
+    config = ZooSoftmaxConfig(hidden_size=32, num_attention_heads=2, id2label={0: "neg", 1: "pos"},
+                              architectures=["ZooSoftmaxForSequenceClassification"], tokenizer_class="T")
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path).to_dict()
+    assert {k: v for k, v in loaded.items() if k != "_name_or_path"} == \
+        {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}

@@ -155,6 +155,9 @@ class ZooConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         kwargs = self._settings_from_other_names(kwargs)
+        # the sizes the defaults below are derived from, checked first (a string would fail in the arithmetic)
+        check_positive_ints(self, ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "max_position_embeddings"))
         self.attn_layers = list(self.attn_layers)
         self.decoder_attn_layers = list(self.decoder_attn_layers)
         if self.num_decoder_layers is None:

@@ -33,6 +33,20 @@ def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
     return x * keep / (1.0 - rate)
 
 
+def padding_mask(attention_mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """The (batch, keys) padding mask as bool: any non-zero value marks a real token, 0 a padded one (so positions,
+    attention and pooling all read it alike). Other shapes are refused: attnzoo's attentions build their own causal
+    and window structure, so a 4-D mask has no meaning here."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; attnzoo models take a 2-D "
+                         "(batch, length) padding mask (1 = real token, 0 = padding) and build causal and window "
+                         "masks themselves.")
+    if attention_mask.shape[0] != batch:
+        raise ValueError(f"attention_mask has {attention_mask.shape[0]} rows but the batch has {batch} examples; "
+                         "pass one mask row per example.")
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+
+
 class FeedForward(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -145,11 +159,16 @@ class ZooTransformer(nn.Module):
     def forward(self, inputs_embeds, attention_mask=None, position_ids=None, cache=None,
                 encoder_hidden_states=None, encoder_attention_mask=None, output_hidden_states=False):
         batch, length = inputs_embeds.shape[:2]
+        if batch == 0 or length == 0:
+            raise ValueError(f"the input is empty ({batch} examples of {length} tokens): pass at least one token of "
+                             "one example.")
         if cache is not None and drops_cache_under_checkpointing(self.blocks, self.training):
             logger.warning_once("the cache is not used while activation checkpointing recomputes the blocks "
                                 "(it would be written twice); the forward runs without it.")
             cache = None
         past_length = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None:
+            attention_mask = padding_mask(attention_mask, batch)
         if attention_mask is not None and attention_mask.shape[-1] != past_length + length:
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but there are {past_length} cached and "
@@ -188,7 +207,7 @@ class ZooTransformer(nn.Module):
         if attention_mask is None:
             return torch.arange(past_length, past_length + length, device=device)[None]
         # Count only real tokens, so a left-padded sequence gets the positions it would have alone.
-        positions = attention_mask.long().cumsum(-1) - 1
+        positions = attention_mask.bool().long().cumsum(-1) - 1
         return positions.clamp(min=0)[:, -length:]
 
     def _reversible(self, hidden, encoder_hidden_states, block_kwargs, all_hidden):

@@ -20,6 +20,23 @@ from attnzoo.remote_code import auto_map, family_model_classes, write_remote_cod
 from attnzoo.transformers_compat import GenerationHooks, take_cache, with_cache
 
 
+def embed_token_ids(embedding: nn.Embedding, ids: torch.Tensor, name: str = "input_ids") -> torch.Tensor:
+    """`embedding(ids)` for (batch, length) integer token ids, with the errors saying what is wrong with `name`."""
+    if ids.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(ids.shape)}; expected (batch, length).")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {ids.dtype}; token ids are integers (e.g. tokenizer(..., "
+                         "return_tensors='pt').input_ids, or ids.long()).")
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(ids.shape)}): pass at least one token of one example.")
+    try:
+        return embedding(ids)
+    except IndexError as error:  # the CPU's message is "index out of range in self"
+        raise ValueError(f"{name} holds token ids outside [0, vocab_size={embedding.num_embeddings}): "
+                         f"min {int(ids.min())}, max {int(ids.max())}. Use the model's tokenizer, or a config whose "
+                         "vocab_size covers the ids.") from error
+
+
 def as_output(output, return_dict, config):
     """The ModelOutput, or its tuple when `return_dict` (or, when it is None, `config.return_dict`) is False."""
     if return_dict is None:
@@ -88,9 +105,7 @@ class ZooModel(ZooPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected (batch, length).")
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = embed_token_ids(self.embed_tokens, input_ids)
         if use_cache is None:  # caches serve decoding; a training forward never needs one
             use_cache = self.config.use_cache and self.config.is_decoder and not self.training
         if use_cache and not self.config.is_decoder:
@@ -148,7 +163,7 @@ class ZooSeq2SeqEncoder(nn.Module):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
                 return_dict=None, **kwargs):
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = embed_token_ids(self.embed_tokens, input_ids)
         hidden, all_hidden = self.transformer(inputs_embeds, attention_mask=attention_mask,
                                               output_hidden_states=bool(output_hidden_states))
         return BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden)

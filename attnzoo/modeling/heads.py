@@ -26,6 +26,7 @@ from attnzoo.modeling.base_models import (
     ZooSeq2SeqEncoder,
     ZooVisionModel,
     as_output,
+    embed_token_ids,
 )
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
 from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
@@ -50,6 +51,9 @@ def lm_logits_and_loss(model, hidden, labels, *, causal: bool, skip_logits=None,
     if _wants_logits(model, labels, skip_logits):
         logits = model.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
     if labels is not None:
+        if tuple(labels.shape) != tuple(hidden.shape[:2]):
+            raise ValueError(f"labels has shape {tuple(labels.shape)}; expected {tuple(hidden.shape[:2])}, one label "
+                             "per token (-100 where no loss is wanted), like the input ids.")
         loss_fn = causal_lm_loss if causal else token_cross_entropy
         if logits is not None and not logits_to_keep:
             loss = loss_fn(logits, labels, nn.Identity(), 0, num_items_in_batch)
@@ -157,6 +161,7 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, how: str) ->
         return hidden[:, 0]
     if attention_mask is None:
         return hidden.mean(dim=1) if how == "mean" else hidden[:, -1]
+    attention_mask = attention_mask != 0  # any non-zero value marks a real token, as in the backbone
     mask = attention_mask.to(hidden.dtype)
     if how == "mean":
         return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
@@ -167,6 +172,10 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, how: str) ->
 
 def classification_loss(config, logits, labels):
     """Regression (MSE), single-label (cross-entropy) or multi-label (BCE), as transformers' heads choose."""
+    if labels.shape[0] != logits.shape[0] or labels.dim() > 2:
+        raise ValueError(f"labels has shape {tuple(labels.shape)} for a batch of {logits.shape[0]}; expected "
+                         f"({logits.shape[0]},) class ids or values, or ({logits.shape[0]}, {logits.shape[-1]}) for "
+                         "multi-label targets.")
     if config.problem_type is None:
         if config.num_labels == 1:
             config.problem_type = "regression"
@@ -302,7 +311,8 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = new_encoder_decoder_cache(self.decoder)
         hidden, decoder_hidden = self.decoder(
-            self.encoder.embed_tokens(decoder_input_ids), attention_mask=decoder_attention_mask,
+            embed_token_ids(self.encoder.embed_tokens, decoder_input_ids, "decoder_input_ids"),
+            attention_mask=decoder_attention_mask,
             cache=cache if use_cache else None,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
             output_hidden_states=bool(output_hidden_states),

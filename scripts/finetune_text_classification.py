@@ -53,7 +53,8 @@ def load_table(args: ScriptArguments):
     files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
     for path in files.values():
         if not Path(path).is_file():
-            raise ValueError(f"{path} does not exist; pass a .csv or .json/.jsonl file.")
+            state = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise ValueError(f"{path} {state}; pass a .csv or .json/.jsonl file.")
     suffixes = {Path(p).suffix.lower() for p in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in (".csv", ".json", ".jsonl"):
         raise ValueError(f"use .csv or .json/.jsonl files (one kind for both), not {sorted(suffixes)}.")
@@ -62,6 +63,11 @@ def load_table(args: ScriptArguments):
         if column not in raw["train"].column_names:
             raise ValueError(f"{args.train_file} has no column {column!r}; its columns are "
                              f"{raw['train'].column_names}. Pass --text_column / --label_column.")
+    for split, rows in raw.items():  # a blank label would otherwise become a class named "None"
+        blank = [i for i, value in enumerate(rows[args.label_column]) if value is None or str(value).strip() == ""]
+        if blank:
+            raise ValueError(f"{files[split]}: {len(blank)} row(s) have no {args.label_column!r} (first: data row "
+                             f"{blank[0] + 1}); give every row a label, or remove the unlabelled rows.")
     if not isinstance(raw["train"].features[args.label_column], ClassLabel):  # strings or integers in the file
         labels = ClassLabel(names=sorted({str(v) for split in raw.values() for v in split[args.label_column]}))
         raw = raw.map(lambda row: {args.label_column: labels.str2int(str(row[args.label_column]))})

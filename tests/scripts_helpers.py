@@ -41,8 +41,11 @@ def load_module(folder: Path, name: str):
     """`folder/name.py` as a fresh module, with `folder` importable (the scripts import their siblings)."""
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    # A name of its own: dataclasses (the Trainer script's arguments) look their module up in sys.modules, and the
+    # script's plain name could shadow a library there (scripts/evaluate.py and the `evaluate` package).
+    spec = importlib.util.spec_from_file_location(f"script_{name}", folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

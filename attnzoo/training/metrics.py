@@ -84,6 +84,12 @@ def bleu_scores(hypotheses: list[str], references: list[str]) -> dict[str, dict]
 
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references.")
+    if not references:
+        raise ValueError("no sentence pairs to score: the evaluation data is empty; check --validation_file / "
+                         "--split and the language pair.")
+    if not any(reference.strip() for reference in references):
+        raise ValueError(f"all {len(references)} references are empty: BLEU against empty text is not a score; check "
+                         "the target language column of the evaluation data.")
     scores = {}
     for name, options in (("sacrebleu", {}), ("sacrebleu_intl", {"tokenize": "intl"}),
                           ("sacrebleu_intl_uncased", {"tokenize": "intl", "lowercase": True})):

@@ -27,13 +27,17 @@ def _as_byte_tensor(raw: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
 
-def read_bytes(path: str | Path | None) -> torch.Tensor:
+def read_bytes(path: str | Path | None, skip_bad: bool = False) -> torch.Tensor:
+    """The UTF-8 bytes of a text file (or of the default corpus): a byte-level LM reads the bytes, but a file that is
+    not UTF-8 text (a binary file given by mistake, say) stops the run as it does for tokenised text, naming the
+    line (with `skip_bad`, such lines are dropped and counted)."""
     if path is None:
         return _as_byte_tensor(default_corpus_text().encode("utf-8"))
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--train_file {path} does not exist; pass a text file (or omit it for the default corpus).")
-    data = _as_byte_tensor(path.read_bytes())
+        state = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"--train_file {path} {state}; pass a text file (or omit it for the default corpus).")
+    data = _as_byte_tensor(read_utf8_text(path, skip_bad).encode("utf-8"))
     if data.numel() < 1024:
         raise ValueError(f"{path} holds {data.numel()} bytes; a byte-level LM needs at least 1 KB of text.")
     return data
@@ -148,7 +152,7 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
 
     def encode_file(path):
         if byte_level:
-            return read_bytes(path)
+            return read_bytes(path, skip_bad)
         text = default_corpus_text() if path is None else read_utf8_text(path, skip_bad)
         return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.int32)
 
@@ -157,9 +161,10 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
         f is None or Path(f).suffix.lower() not in (".json", ".jsonl", ".csv", ".parquet")
         for f in (train_file, validation_file))
     if is_raw_text:
-        for path in (train_file, validation_file):
+        for flag, path in (("--train_file", train_file), ("--validation_file", validation_file)):
             if path is not None and not Path(path).is_file():
-                raise ValueError(f"{path} does not exist; pass a text file (or omit --train_file for the default "
+                state = "is a folder" if Path(path).is_dir() else "does not exist"
+                raise ValueError(f"{flag} {path} {state}; pass a text file (or omit --train_file for the default "
                                  "corpus).")
         train = encode_file(train_file)
         if validation_file:

@@ -4,6 +4,7 @@ weights of the last K (translation, arXiv 2204.04667 appendix H.4)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -40,12 +41,14 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify_checkpoint(folder: str | Path) -> list[str]:
+def verify_checkpoint(folder: str | Path, contents: bool = False) -> list[str]:
     """What is wrong with a checkpoint folder (an empty list: nothing found).
 
-    With a manifest: every file it lists exists with its size. Without one (a checkpoint written before manifests
-    existed): some model weights exist. Then every safetensors file's header must parse and cover the file, and every
-    torch.save archive must have its zip directory (which a truncated file loses)."""
+    With a manifest: every file it lists exists with its size, and with `contents` (before resuming from it, and
+    right after writing it) its SHA-256 matches the manifest's, so a file overwritten at the same size is caught.
+    Without one (a checkpoint written before manifests existed): some model weights exist. Then every safetensors
+    file's header must parse and cover the file, and every torch.save archive must have its zip directory (which a
+    truncated file loses)."""
     folder = Path(folder)
     if not folder.is_dir():
         return [f"{folder} is not a folder"]
@@ -53,8 +56,9 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
     manifest = folder / MANIFEST
     if manifest.is_file():
         try:
-            files = json.loads(manifest.read_text())["files"]
-        except (ValueError, KeyError, TypeError) as err:
+            recorded = json.loads(manifest.read_text())
+            files, digests = recorded["files"], recorded.get("sha256", {})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             return [f"{MANIFEST} is unreadable ({err})"]
         for name, size in sorted(files.items()):
             path = folder / name
@@ -62,6 +66,8 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
                 problems.append(f"{name} is missing")
             elif path.stat().st_size != size:
                 problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {size} (cut short?)")
+            elif contents and name in digests and _sha256(path) != digests[name]:
+                problems.append(f"{name} differs from what was saved (its SHA-256 does not match the manifest's)")
         present = [folder / name for name in files if (folder / name).is_file()]
     else:
         present = [p for p in folder.rglob("*") if p.is_file()]
@@ -72,6 +78,11 @@ def verify_checkpoint(folder: str | Path) -> list[str]:
         if problem:
             problems.append(f"{path.relative_to(folder)}: {problem}")
     return problems
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _file_problem(path: Path) -> str | None:
@@ -112,7 +123,7 @@ def resolve_resume(output_dir: str | Path, resume_from: str | None,
         found = list_checkpoints(output_dir)
         damaged = []
         for step, folder in reversed(found):
-            problems = verify_checkpoint(folder)
+            problems = verify_checkpoint(folder, contents=True)
             if not problems:
                 for bad, bad_problems in damaged:
                     warn(f"skipping damaged checkpoint {bad}: {'; '.join(bad_problems)}")
@@ -130,7 +141,7 @@ def resolve_resume(output_dir: str | Path, resume_from: str | None,
     if not path.is_dir() or match is None:
         raise ValueError(f"--resume_from_checkpoint {resume_from} must be 'latest' or a step_N folder written by "
                          "this script.")
-    problems = verify_checkpoint(path)
+    problems = verify_checkpoint(path, contents=True)
     if problems:
         valid = [f.name for _, f in list_checkpoints(path.parent.parent) if f != path and not verify_checkpoint(f)]
         raise ValueError(f"--resume_from_checkpoint {resume_from} is damaged: {'; '.join(problems)}. Resume from "
@@ -197,8 +208,11 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit:
 
 
 def _write_manifest(folder: Path, step: int, loop_state: dict) -> None:
-    files = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": files, "loop_state": loop_state}, indent=1))
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    files = {str(p.relative_to(folder)): p.stat().st_size for p in paths}
+    digests = {str(p.relative_to(folder)): _sha256(p) for p in paths}
+    (folder / MANIFEST).write_text(json.dumps({"step": step, "files": files, "sha256": digests,
+                                               "loop_state": loop_state}, indent=1))
 
 
 def _rotate(output_dir: str | Path, new_step: int, total_limit: int) -> None:

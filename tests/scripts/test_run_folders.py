@@ -84,3 +84,17 @@ def test_metrics_are_strict_json_when_a_value_is_not_finite(tmp_path):
     tracker.log({"train_loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3}, step=3)
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert record == {"step": 3, "train_loss": None, "grad_norm": None, "lr": 1e-3}
+
+
+def test_a_checkpoint_file_changed_at_the_same_size_is_caught_before_resuming(tmp_path, corpus):
+    out = tmp_path / "run"
+    train(out, corpus)
+    states = out / "checkpoints" / "step_2" / "random_states_0.pkl"
+    original = states.read_bytes()
+    states.write_bytes(original[:-8] + bytes(8))  # same size, other contents
+    with pytest.raises(ValueError, match=r"step_2 is damaged: random_states_0.pkl differs from what was saved \(its "
+                                         r"SHA-256 does not match"):
+        train(out, corpus, "softmax", "--resume_from_checkpoint", out / "checkpoints" / "step_2",
+              "--max_train_steps", "3")
+    # `latest` passes over it with a warning and resumes from the newest intact checkpoint
+    train(out, corpus, "softmax", "--resume_from_checkpoint", "latest", "--max_train_steps", "3")

@@ -150,7 +150,7 @@ def resolve_resume(output_dir: str | Path, resume_from: str | None,
     return path, int(match.group(1))
 
 
-def _any_process(accelerator, flag: bool) -> bool:
+def any_process(accelerator, flag: bool) -> bool:
     """Whether `flag` is set on any process (a collective: every process must call it)."""
     if accelerator.num_processes == 1:
         return flag
@@ -192,7 +192,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, step: int, total_limit:
             shutil.rmtree(replaced, ignore_errors=True)
         except Exception as err:
             error = err
-    if _any_process(accelerator, error is not None):
+    if any_process(accelerator, error is not None):
         if accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)
         accelerator.wait_for_everyone()

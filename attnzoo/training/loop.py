@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,13 +26,20 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
-from attnzoo.training.checkpoints import read_loop_state, resolve_resume, save_checkpoint
+from attnzoo.training.checkpoints import (
+    CheckpointSaveError,
+    any_process,
+    read_loop_state,
+    resolve_resume,
+    save_checkpoint,
+)
 from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.recipes import parse_model_overrides
 from attnzoo.training.run_dir import check_output_dir, start_output_dir
 from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
+FINAL_PARTIAL = ".final_model.partial"  # where the final model is written before it is moved into place
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before its module's state-dict keys
 LM_NO_DECAY = ("embed", "position", "cls_token")  # the LM script's historical choice: no decay on any embedding
 VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, position embeddings and the class token
@@ -270,7 +279,9 @@ def progress_bar(accelerator: Accelerator, total: int, initial: int, desc: str =
 
 def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, tokenizer=None, state_dict=None):
     """`save_pretrained` of the unwrapped model (full weights, also under FSDP) plus the tokenizer; returns the
-    unwrapped model."""
+    unwrapped model. Like a checkpoint, the save is all or nothing: the files are written into a partial folder and
+    moved into `output_dir` only once all of them are written, so a failed save (a full disk) leaves no half-written
+    model, and the error says so."""
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if state_dict is None:
@@ -278,10 +289,34 @@ def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, to
     # accelerate's default unwrap keeps a --torch_compile wrapper, whose state dict prefixes every key with
     # "_orig_mod."; the saved model must load into an uncompiled one.
     state_dict = {key.removeprefix(COMPILED_PREFIX): value for key, value in state_dict.items()}
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save, state_dict=state_dict)
-    if tokenizer is not None and accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+    output_dir = Path(output_dir)
+    partial = output_dir / FINAL_PARTIAL
+    if accelerator.is_main_process and partial.exists():
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    error = None
+    try:
+        unwrapped.save_pretrained(partial, is_main_process=accelerator.is_main_process,
+                                  save_function=accelerator.save, state_dict=state_dict)
+        if tokenizer is not None and accelerator.is_main_process:
+            tokenizer.save_pretrained(partial)
+    except Exception as err:  # a full disk, no write access, ...: reported the same way
+        error = err
+    if any_process(accelerator, error is not None):
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        cause = f"{type(error).__name__}: {error}" if error is not None else "another process failed to write its part"
+        raise CheckpointSaveError(f"could not save the final model in {output_dir} ({cause}); nothing of it was "
+                                  "written there, and the checkpoints are intact. Free disk space (or fix write "
+                                  "access) and run the same command with --resume_from_checkpoint latest.") from error
+    if accelerator.is_main_process:
+        for path in sorted(partial.iterdir()):  # renames within one folder: they do not fail for lack of space
+            target = output_dir / path.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(path, target)
+        partial.rmdir()
     accelerator.wait_for_everyone()
     return unwrapped
 

@@ -3,6 +3,7 @@ checkpoints and mixed its metrics), resuming only with the run's own settings, a
 numbers a run can use."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,29 @@ def test_a_checkpoint_file_changed_at_the_same_size_is_caught_before_resuming(tm
               "--max_train_steps", "3")
     # `latest` passes over it with a warning and resumes from the newest intact checkpoint
     train(out, corpus, "softmax", "--resume_from_checkpoint", "latest", "--max_train_steps", "3")
+
+
+def test_a_final_save_on_a_full_disk_leaves_no_half_written_model(tmp_path, corpus, monkeypatch):
+    import errno
+
+    from attnzoo.modeling.base_models import ZooPreTrainedModel
+    from attnzoo.training.checkpoints import CheckpointSaveError
+
+    written = []
+    save_pretrained = ZooPreTrainedModel.save_pretrained
+
+    def full_disk(self, folder, *args, **kwargs):  # most files written, then the disk fills up
+        save_pretrained(self, folder, *args, **kwargs)
+        written.extend(p.name for p in Path(folder).iterdir())
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ZooPreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointSaveError, match=r"could not save the final model in .*No space left on device.*"
+                                                  r"nothing of it was written there.*--resume_from_checkpoint latest"):
+        train(out, corpus)
+    assert written and not (out / "config.json").exists() and not (out / ".final_model.partial").exists()
+    assert (out / "checkpoints" / "step_2").is_dir()  # the training state survives
+    monkeypatch.undo()
+    train(out, corpus, "softmax", "--resume_from_checkpoint", "latest")  # the advice works
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()

@@ -26,6 +26,7 @@ from transformers import AutoConfig
 import attnzoo  # noqa: F401  (registers the families with the Auto classes)
 from attnzoo.training.loop import eval_loader
 from attnzoo.training.metrics import evaluate_bits_per_dim, evaluate_top1
+from attnzoo.training.model_source import reading_model_source
 from attnzoo.training.publish import ARGS_FILE
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -144,7 +145,8 @@ def main(argv=None) -> dict:
     args, rest = build_parser().parse_known_args(argv)
     if args.per_device_eval_batch_size < 1:
         raise ValueError(f"--per_device_eval_batch_size={args.per_device_eval_batch_size} must be positive.")
-    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    with reading_model_source(args.model_name_or_path):
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
     task = detect_task(config) if args.task == "auto" else args.task
     script = load_script(TASK_SCRIPTS[task])
     data = data_arguments(script, args.model_name_or_path, rest)

@@ -185,7 +185,10 @@ def load_source(src: str):
     """A GPT2LMHeadModel or GPT2Model from a folder or Hub id (the class its config names), in eval mode."""
     from transformers import AutoConfig, GPT2LMHeadModel, GPT2Model
 
-    config = AutoConfig.from_pretrained(src)
+    from attnzoo.training.model_source import reading_model_source
+
+    with reading_model_source(src, "SRC"):
+        config = AutoConfig.from_pretrained(src)
     check_source_config(config)
     names = [a for a in (config.architectures or ["GPT2LMHeadModel"]) if a in ARCHITECTURES]
     if not names:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 from attnzoo.registration import FAMILY_CONFIGS
 from attnzoo.training.tracking import REPORT_TO_CHOICES
@@ -121,6 +122,14 @@ def check_training_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--num_train_epochs={args.num_train_epochs} is invalid: set a positive number.")
     if args.family not in FAMILIES and not args.model_name_or_path:
         raise ValueError(f"--family {args.family!r} is unknown: use one of {FAMILIES}.")
+    for flag in ("train_file", "validation_file", "test_file"):
+        path = getattr(args, flag, None)
+        if path and Path(path).is_file() and Path(path).stat().st_size == 0:
+            raise ValueError(f"--{flag} {path} is empty; pass a file with data (or leave --{flag} out).")
+    if args.model_name_or_path:
+        from attnzoo.training.model_source import check_model_source
+
+        check_model_source(args.model_name_or_path)
     if args.model_name_or_path and args.model:
         raise ValueError("--model NAME=VALUE configures a new model; it cannot change --model_name_or_path "
                          f"{args.model_name_or_path}. Drop one of them.")

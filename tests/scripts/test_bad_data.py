@@ -46,3 +46,14 @@ def test_blank_labels_are_refused_instead_of_becoming_a_class(tmp_path):
                               label_column="label", validation_split=0.2)
     with pytest.raises(ValueError, match=r"data.csv: 1 row\(s\) have no 'label' \(first: data row 11\)"):
         script.load_table(args)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_an_empty_validation_file_is_named(tmp_path, suffix):
+    train = tmp_path / f"train{suffix}"
+    train.write_text("x" if suffix == ".txt" else '{"text": "x"}\n')
+    empty = tmp_path / f"validation{suffix}"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=rf"--validation_file .*validation{suffix} is empty"):
+        run_script("train_lm", ["--train_file", train, "--validation_file", empty, "--output_dir", tmp_path / "run",
+                                *tiny_model("softmax"), *STEPS])

@@ -43,7 +43,8 @@ def main():
     for family, extra in FAMILY_SETTINGS.items():
         out = args.output_dir / family
         bpd = script.main([
-            "--family", family, "--output_dir", str(out), "--max_train_steps", str(args.steps),
+            "--family", family, "--output_dir", str(out), "--overwrite_output_dir",
+            "--max_train_steps", str(args.steps),
             "--block_size", str(args.block_size), "--per_device_train_batch_size", str(args.batch),
             "--learning_rate", "2e-3", "--num_warmup_steps", str(max(1, args.steps // 15)), "--sample_tokens", "0",
             "--eval_steps", str(max(25, args.steps // 6 // 25 * 25)),

@@ -67,12 +67,14 @@ def read_curves(output_dir: Path) -> tuple[list[dict], list[dict]]:
 def run_variant(name: str, argv: list[str], output_dir: Path, retrain: bool) -> dict:
     results_file = output_dir / "all_results.json"
     if retrain or not results_file.is_file():
-        output_dir.mkdir(parents=True, exist_ok=True)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        with open(output_dir / "train.log", "w") as log:
-            done = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log_file = output_dir.with_name(output_dir.name + ".train.log")  # beside the run: the run owns its folder
+        with open(log_file, "w") as log:  # the benchmark owns its runs, so a retrain starts each one over
+            done = subprocess.run([*argv, "--overwrite_output_dir"], cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
         if done.returncode != 0:
-            raise SystemExit(f"variant {name} failed (exit {done.returncode}); see {output_dir / 'train.log'}")
+            raise SystemExit(f"variant {name} failed (exit {done.returncode}); see {log_file}")
     final = json.loads(results_file.read_text())
     curve, train = read_curves(output_dir)
     print(f"{name}: held-out bits/dim {final['eval_bits_per_dim']:.4f}, {final['num_parameters']:,} parameters, "

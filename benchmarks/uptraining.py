@@ -93,7 +93,8 @@ def save_scratch_init(converted: Path, folder: Path, seed: int) -> None:
 def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path | None = None,
           learning_rate: float | None = None, execute: bool = True) -> None:
     """scripts/train_lm.py from the checkpoint `init` for `steps` steps (the recipe's settings, or the source's)."""
-    command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out, "--max_train_steps", steps,
+    command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out, "--overwrite_output_dir",
+               "--max_train_steps", steps,
                "--block_size", args.block_size, "--per_device_train_batch_size", args.batch,
                "--eval_steps", args.eval_every, "--seed", args.seed, "--sample_tokens", 0, "--report_to", "jsonl",
                "--logging_steps", 25]

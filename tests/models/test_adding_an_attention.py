@@ -25,6 +25,19 @@ def doc_blocks() -> dict[str, str]:
     return {name: f"# {name}\n{code}" for name, code in blocks}
 
 
+def save_attempt(attention: str) -> str:
+    """Script lines: build a one-layer model with `attention` and try to save it into out/."""
+    return f"""
+from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=[{attention!r}], vocab_size=20, hidden_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
+try:
+    model.save_pretrained("out")
+except ValueError as error:
+    print("REFUSED", error)
+"""
+
+
 def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
     prefix = "import sys; sys.modules['attnzoo'] = None  # as if attnzoo were not installed\n" if block_attnzoo else ""
     env_path = "" if block_attnzoo else str(ROOT)
@@ -82,34 +95,15 @@ def test_an_attention_module_that_cannot_travel_is_refused_before_anything_is_wr
     (folder / "helpers.py").write_text("x = 1\n")
     code = doc_blocks()["temperature_attention.py"].replace('"temperature_softmax"', '"bad_softmax"')
     (folder / "bad_attention.py").write_text(code.replace("\n", f"\n{first_line}\n", 1), encoding="utf-8")
-    script = f"""
-import sys
-sys.path.insert(0, {str(tmp_path)!r})
-import attnzoo, {module}
-from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
-model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["bad_softmax"], vocab_size=20, hidden_size=16,
-                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
-try:
-    model.save_pretrained("out")
-except ValueError as error:
-    print("REFUSED", error)
-"""
+    imports = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport attnzoo, {module}\n"
+    script = imports + save_attempt("bad_softmax")
     out = run(script, tmp_path)
     assert out.startswith("REFUSED") and re.search(message, out), out
     assert not (tmp_path / "out").exists()
 
 
 def test_an_attention_defined_in_main_is_refused_with_what_to_do(tmp_path):
-    code = doc_blocks()["temperature_attention.py"] + """
-from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
-model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(attn_layers=["temperature_softmax"], vocab_size=20, hidden_size=16,
-                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
-try:
-    model.save_pretrained("out")
-except ValueError as error:
-    print("REFUSED", error)
-"""
-    out = run(code, tmp_path)
+    out = run(doc_blocks()["temperature_attention.py"] + save_attempt("temperature_softmax"), tmp_path)
     assert "REFUSED" in out and "defined in __main__" in out and "move the class into a module file" in out
     assert not (tmp_path / "out").exists()
 

@@ -148,7 +148,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer, ReformerModelWithLMHead
 
-    model = convert_model(ReformerModelWithLMHead.from_pretrained(args.src, dtype="auto").eval())
+    from attnzoo.training.model_source import reading_model_source
+
+    with reading_model_source(args.src, "SRC"):
+        source = ReformerModelWithLMHead.from_pretrained(args.src, dtype="auto").eval()
+    model = convert_model(source)
     model.save_pretrained(args.dst)
     try:
         AutoTokenizer.from_pretrained(args.src).save_pretrained(args.dst)

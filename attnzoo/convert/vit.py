@@ -284,6 +284,10 @@ def load_source(src: str, timm_model: str | None = None):
     elif path.is_dir():
         model = timm.create_model(f"local-dir:{path}", pretrained=True)
     else:
+        if src.startswith((".", "/", "~")) or len(path.parts) > 2 or path.suffix:
+            raise ValueError(f"SRC {src}: no such file or folder. Pass a timm model name (e.g. "
+                             "deit_small_patch16_224), a Hub id, a folder timm saved, or a weights file with "
+                             "--timm_model.")
         name = src if src.startswith("hf-hub:") or "/" not in src else f"hf-hub:{src}"
         model = timm.create_model(timm_model or name, pretrained=True)
     return model.eval()

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,16 +165,43 @@ def resume_if_asked(accelerator: Accelerator, args, guard=None) -> int:
     folder, step = resolve_resume(args.output_dir, args.resume_from_checkpoint, warn=warn)
     if folder is not None:
         try:
-            accelerator.load_state(str(folder))
+            with _rng_restore_watched() as failures:
+                accelerator.load_state(str(folder))
         except Exception as err:
             raise RuntimeError(f"{folder} passed the integrity check but does not load ({type(err).__name__}: "
                                f"{err}). If the model, optimizer or number of processes changed since it was saved, "
                                "resume with the original settings; otherwise pass an older "
                                "OUTPUT_DIR/checkpoints/step_N folder.") from err
+        if any_process(accelerator, bool(failures)):
+            raise RuntimeError(f"{folder}: the random-number states did not load, so the resumed run would not "
+                               "repeat the uninterrupted one (dropout, sampling, shuffling). Resume from another "
+                               "checkpoint (OUTPUT_DIR/checkpoints/step_N), or start the run over.")
         if guard is not None:
             guard.load_state_dict(read_loop_state(folder))
         accelerator.print(f"resumed from {folder} at step {step}")
     return step
+
+
+@contextmanager
+def _rng_restore_watched():
+    """Collect accelerate's report that a checkpoint's random states failed to load: accelerate only logs it, at
+    INFO, and carries on (the run would then silently stop being bit-exact)."""
+    failures = []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "Could not load random states" in record.getMessage():
+                failures.append(record.getMessage())
+
+    watched = logging.getLogger("accelerate.checkpointing")
+    handler, level = Watch(logging.INFO), watched.level
+    watched.addHandler(handler)
+    watched.setLevel(logging.INFO)
+    try:
+        yield failures
+    finally:
+        watched.removeHandler(handler)
+        watched.setLevel(level)
 
 
 def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int) -> Iterator:

@@ -48,3 +48,12 @@ def test_a_converter_with_a_missing_source_says_so(tmp_path):
 
     with pytest.raises(ValueError, match=r"SRC .*no-gpt2: no such folder"):
         gpt2.main([str(tmp_path / "no-gpt2"), str(tmp_path / "dst"), "--family", "softmax"])
+
+
+def test_every_converter_with_a_missing_source_says_so(tmp_path):
+    from attnzoo.convert import reformer_from_transformers, vit
+
+    with pytest.raises(ValueError, match=r"SRC .*no-reformer: no such folder"):
+        reformer_from_transformers.main([str(tmp_path / "no-reformer"), str(tmp_path / "dst")])
+    with pytest.raises(ValueError, match=r"SRC .*no-vit.pth: no such file or folder"):
+        vit.main([str(tmp_path / "no-vit.pth"), str(tmp_path / "dst2"), "--family", "softmax"])

@@ -125,3 +125,19 @@ def test_a_final_save_on_a_full_disk_leaves_no_half_written_model(tmp_path, corp
     monkeypatch.undo()
     train(out, corpus, "softmax", "--resume_from_checkpoint", "latest")  # the advice works
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_random_states_that_do_not_load_stop_the_resume(tmp_path, corpus):
+    """accelerate only logs (at INFO) that a checkpoint's random states failed to load, and goes on; a checkpoint
+    from before checksums existed could hide such a file."""
+    out = tmp_path / "run"
+    train(out, corpus)
+    step = out / "checkpoints" / "step_2"
+    (step / "random_states_0.pkl").write_bytes(b"not a pickle")
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest.pop("sha256")  # as an older checkpoint's manifest
+    manifest["files"]["random_states_0.pkl"] = len(b"not a pickle")
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match=r"the random-number states did not load, so the resumed run would not "
+                                           r"repeat the uninterrupted one"):
+        train(out, corpus, "softmax", "--resume_from_checkpoint", step, "--max_train_steps", "3")

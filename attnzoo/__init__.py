@@ -3,6 +3,7 @@ models. Importing the package registers every family with transformers' Auto cla
 
 from attnzoo.configuration import (
     ZooConfig,
+    ZooHybridConfig,
     ZooLARAConfig,
     ZooPerformerConfig,
     ZooRAConfig,
@@ -13,6 +14,7 @@ from attnzoo.modeling import (
     ATTENTION_REGISTRY,
     ZooAttention,
     ZooCache,
+    modeling_hybrid,
     modeling_lara,
     modeling_performer,
     modeling_ra,
@@ -20,7 +22,8 @@ from attnzoo.modeling import (
     modeling_softmax,
     register_attention,
 )
-from attnzoo.modeling.modeling_lara import *  # noqa: F403  (each family module lists its classes)
+from attnzoo.modeling.modeling_hybrid import *  # noqa: F403  (each family module lists its classes)
+from attnzoo.modeling.modeling_lara import *  # noqa: F403
 from attnzoo.modeling.modeling_performer import *  # noqa: F403
 from attnzoo.modeling.modeling_ra import *  # noqa: F403
 from attnzoo.modeling.modeling_reformer import *  # noqa: F403
@@ -32,7 +35,7 @@ __version__ = "0.1.0"
 # The one list of families: the scripts' and converters' `--family` choices derive from it (registration.py).
 for _config_class, _module in ((ZooSoftmaxConfig, modeling_softmax), (ZooReformerConfig, modeling_reformer),
                                (ZooPerformerConfig, modeling_performer), (ZooRAConfig, modeling_ra),
-                               (ZooLARAConfig, modeling_lara)):
+                               (ZooLARAConfig, modeling_lara), (ZooHybridConfig, modeling_hybrid)):
     register_family(_config_class, _module)
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "ZooAttention",
     "ZooCache",
     "ZooConfig",
+    "ZooHybridConfig",
     "ZooLARAConfig",
     "ZooPerformerConfig",
     "ZooRAConfig",
@@ -51,4 +55,5 @@ __all__ = [
     *modeling_performer.__all__,
     *modeling_ra.__all__,
     *modeling_lara.__all__,
+    *modeling_hybrid.__all__,
 ]

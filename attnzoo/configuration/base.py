@@ -15,14 +15,17 @@ import math
 
 from transformers import PreTrainedConfig
 
+from attnzoo.configuration.rope import check_rope
 from attnzoo.remote_code import auto_map, write_remote_code
 from attnzoo.transformers_compat import CACHE_NAMES
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
-POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "none")
+POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "rotary", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
 REVERSIBLE_MERGES = ("mean", "concat")
-HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "tanh")
+HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "gelu_pytorch_tanh", "tanh")
 
 
 #: other projects' names for attnzoo settings, accepted as keyword arguments and stored under attnzoo's name:
@@ -80,6 +83,15 @@ class ZooConfig(PreTrainedConfig):
         drop_path_rate: stochastic depth, linearly increased over the layers (DeiT).
         attention_bias / lm_head_bias: biases in the attention projections / in the language-model head (off by
             default; transformers' Reformer has one in its head from 5.24 on, which its converter carries).
+        attention_output_bias: a bias in the attention's output projection; `None` follows `attention_bias`
+            (Qwen2 has biases on q, k and v but none on the output: `attention_bias=True, attention_output_bias=False`).
+        num_key_value_heads: key/value heads of grouped-query attention (`None`: one per query head; 1:
+            multi-query). It must divide `num_attention_heads`; every group of query heads reads one key/value head
+            ("GQA", arXiv 2305.13245). How each attention kind uses the groups: docs/llama_backbones.md.
+        norm_type: "layernorm" (the default) or "rmsnorm" (no mean, no bias; Llama's), for every normalisation
+            of the stack, with epsilon `layer_norm_eps`.
+        mlp_type: "standard" (`fc_in`, activation, `fc_out`) or "gated" (Llama's `down_proj(act(gate_proj(x)) *
+            up_proj(x))`, usually with `hidden_act="silu"`). `mlp_bias` switches the feed-forward's biases.
         classifier_dropout: dropout before a classification head (defaults to `hidden_dropout_prob`).
         attn_layers: attention kind per layer, names from `attnzoo.ATTENTION_REGISTRY`; a shorter list repeats to
             `num_hidden_layers` (e.g. `["local", "lsh"]`).
@@ -95,7 +107,13 @@ class ZooConfig(PreTrainedConfig):
         chunk_size_feed_forward: process the feed-forward in sequence chunks of this size (0 = one chunk).
         loss_chunk_size: compute the LM head and loss in sequence chunks of this size, recomputing the logits in the
             backward pass, so [batch, length, vocab] logits are never held (0 = off).
-        position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table) or "none".
+        position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table), "rotary" (RoPE,
+            "RoFormer", arXiv 2104.09864: q and k of every attention are rotated by position before the attention's
+            own mechanism; no position is added to the embeddings and no length limit applies) or "none".
+        rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
+            (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
+            Llama reads them. Other types (dynamic NTK, YaRN, LongRoPE) are refused.
         axial_pos_shape / axial_pos_embds_dim: the axial factorisation; the shape's product must cover
             `max_position_embeddings` and the dims must sum to `hidden_size` (derived when left `None`).
         image_size / patch_size / num_channels: image models (DeiT-style patch embedding).
@@ -125,7 +143,12 @@ class ZooConfig(PreTrainedConfig):
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     attention_bias: bool = True
+    attention_output_bias: bool | None = None
     lm_head_bias: bool = False
+    num_key_value_heads: int | None = None
+    norm_type: str = "layernorm"
+    mlp_type: str = "standard"
+    mlp_bias: bool = True
 
     attn_layers: list[str] | tuple[str, ...] = ("full",)
     is_decoder: bool = False
@@ -139,6 +162,8 @@ class ZooConfig(PreTrainedConfig):
     position_embedding_type: str = "learned"
     axial_pos_shape: list[int] | tuple[int, ...] | None = None
     axial_pos_embds_dim: list[int] | tuple[int, ...] | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
 
     image_size: int = 224
     patch_size: int = 16
@@ -168,6 +193,10 @@ class ZooConfig(PreTrainedConfig):
             if self.axial_pos_embds_dim is None:
                 half = self.hidden_size // 2
                 self.axial_pos_embds_dim = (half, self.hidden_size - half)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.attention_bias
         if self.axial_pos_shape is not None:
             self.axial_pos_shape = list(self.axial_pos_shape)
         if self.axial_pos_embds_dim is not None:
@@ -217,6 +246,15 @@ class ZooConfig(PreTrainedConfig):
             check_probability(self, name)
         check_probability(self, "classifier_dropout", optional=True)
         check_choice(self, "hidden_act", HIDDEN_ACTIVATIONS)
+        check_choice(self, "norm_type", NORM_TYPES)
+        check_choice(self, "mlp_type", MLP_TYPES)
+        check_positive_ints(self, ("num_key_value_heads",))
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", self.num_key_value_heads,
+                 f"it must divide num_attention_heads={self.num_attention_heads} (each key/value head serves a "
+                 "group of query heads); pick a divisor, or None for one per query head.")
+        if self.position_embedding_type == "rotary":
+            check_rope(self)
         for name in ("chunk_size_feed_forward", "loss_chunk_size"):
             check_int(self, name, 0, "set 0 (no chunking) or a positive chunk length.")
         for name in ("attn_layers", "decoder_attn_layers"):

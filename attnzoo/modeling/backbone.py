@@ -1,4 +1,8 @@
-"""The one Transformer every family shares: pre-LayerNorm blocks in a standard or reversible residual stack.
+"""The one Transformer every family shares: pre-normalisation blocks in a standard or reversible residual stack.
+
+Normalisation (LayerNorm or RMSNorm), feed-forward (standard or gated), positions (added to the embeddings, or
+rotary inside every attention) and grouped key/value heads are config switches, so a GPT-2, a Reformer and a Llama
+layer are the same block (docs/llama_backbones.md).
 
 A block has an attention branch F (self-attention, then cross-attention for encoder-decoder decoders) and a
 feed-forward branch G. The standard stack computes x + F(x), then + G(.); the reversible stack keeps two streams,
@@ -19,6 +23,7 @@ from transformers.utils import logging
 
 from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, UsesRecomputation, build_attention
 from attnzoo.modeling.embeddings import PositionEmbedding
+from attnzoo.modeling.normalization import build_norm
 from attnzoo.modeling.reversible import ReversibleStackFunction, stream_step
 from attnzoo.transformers_compat import drops_cache_under_checkpointing
 
@@ -48,14 +53,31 @@ def padding_mask(attention_mask: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
+    """fc_out(act(fc_in(x))), GPT-2's and BERT's feed-forward."""
+
     def __init__(self, config):
         super().__init__()
-        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc_in = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.act = ACT2FN[config.hidden_act]
-        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc_out = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
         return self.fc_out(self.act(self.fc_in(x)))
+
+
+class GatedFeedForward(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), the gated linear unit of Llama ("GLU Variants Improve
+    Transformer", arXiv 2002.05202; SwiGLU with hidden_act="silu")."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class ZooBlock(GradientCheckpointingLayer):
@@ -64,13 +86,12 @@ class ZooBlock(GradientCheckpointingLayer):
     def __init__(self, config, layer_idx: int, attention_kind: str, causal: bool, cross_attention: bool,
                  drop_path_rate: float, kinds_field: str = "attn_layers"):
         super().__init__()
-        eps = config.layer_norm_eps
-        self.attn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.attn_norm = build_norm(config, config.hidden_size)
         self.attn = build_attention(attention_kind, config, layer_idx, causal, kinds_field)
-        self.cross_norm = nn.LayerNorm(config.hidden_size, eps=eps) if cross_attention else None
+        self.cross_norm = build_norm(config, config.hidden_size) if cross_attention else None
         self.cross_attn = SoftmaxCrossAttention(config, layer_idx) if cross_attention else None
-        self.ffn_norm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.ffn = FeedForward(config)
+        self.ffn_norm = build_norm(config, config.hidden_size)
+        self.ffn = GatedFeedForward(config) if config.mlp_type == "gated" else FeedForward(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         self.drop_path_rate = drop_path_rate
         self.ffn_chunk_size = config.chunk_size_feed_forward
@@ -80,12 +101,15 @@ class ZooBlock(GradientCheckpointingLayer):
         return drop_path(self.dropout(x), self.drop_path_rate, self.training)
 
     def attention_branch(self, x, encoder_hidden_states=None, *, attention_mask=None, cache=None,
-                         encoder_attention_mask=None, recompute=None):
+                         encoder_attention_mask=None, recompute=None, position_ids=None):
         """F(x): self-attention, then (decoders of encoder-decoder models) cross-attention on x + self-attention.
-        `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py)."""
+        `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py);
+        `position_ids` reach attentions with rotary positions."""
         self_cache = getattr(cache, "self_attention_cache", cache)
-        replay = {"recompute": recompute} if isinstance(self.attn, UsesRecomputation) else {}
-        out = self._drop_branch(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache, **replay))
+        extra = {"recompute": recompute} if isinstance(self.attn, UsesRecomputation) else {}
+        if getattr(self.attn, "rotary", None) is not None:
+            extra["position_ids"] = position_ids
+        out = self._drop_branch(self.attn(self.attn_norm(x), attention_mask=attention_mask, cache=self_cache, **extra))
         if self.cross_attn is not None:
             cross_cache = cache if hasattr(cache, "cross_attention_cache") else None
             cross = self.cross_attn(self.cross_norm(x + out), encoder_hidden_states, encoder_attention_mask,
@@ -146,7 +170,8 @@ class ZooTransformer(nn.Module):
         self.blocks = nn.ModuleList(
             ZooBlock(config, i, kind, causal, cross_attention, rates[i], kinds_field) for i, kind in enumerate(kinds)
         )
-        self.final_norm = nn.LayerNorm(config.stack_output_size, eps=config.layer_norm_eps)
+        self.final_norm = build_norm(config, config.stack_output_size)
+        self.rotary = config.position_embedding_type == "rotary"
 
     def new_cache_layers(self):
         return [block.attn.new_cache_layer() for block in self.blocks]
@@ -189,6 +214,8 @@ class ZooTransformer(nn.Module):
 
         block_kwargs = dict(attention_mask=attention_mask, cache=cache,
                             encoder_attention_mask=encoder_attention_mask)
+        if self.rotary and self.positions is not None:
+            block_kwargs["position_ids"] = position_ids
         all_hidden = [hidden] if output_hidden_states else None
         if self.reversible:
             hidden = self._reversible(hidden, encoder_hidden_states, block_kwargs, all_hidden)

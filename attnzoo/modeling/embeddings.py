@@ -60,7 +60,7 @@ class PositionEmbedding(nn.Module):
             self.table = AxialPositionEmbedding(config.axial_pos_shape, config.axial_pos_embds_dim)
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor | None:
-        if self.kind == "none":
+        if self.kind in ("none", "rotary"):  # rotary positions act inside the attentions
             return None
         if self.kind == "sinusoidal":
             return sinusoidal_table(position_ids, self.hidden_size)

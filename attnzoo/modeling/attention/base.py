@@ -4,7 +4,8 @@ An attention module is built as `cls(config, layer_idx, causal)` and called as
 
     out = attn(hidden_states,               # [batch, query_len, hidden_size]
                attention_mask=None,         # bool [batch, past_len + query_len], True = a real token
-               cache=None)                  # a transformers `Cache`; this layer's slot is `layer_idx`
+               cache=None,                  # a transformers `Cache`; this layer's slot is `layer_idx`
+               position_ids=None)           # [batch, query_len]; passed only in rotary models (see below)
 
 and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
 - `attention_mask` covers every key the query can see: cached ones first, then the current ones. Padded keys are
@@ -19,6 +20,13 @@ and returns the new hidden states, [batch, query_len, hidden_size]. Rules:
   samples are its proposals' means.
 - Each module keeps a plain, obviously-correct `reference_forward` with the same signature; tests compare the fast
   path against it (values and gradients) and against exact softmax attention.
+
+Rotary positions and grouped key/value heads (Llama-style models, docs/llama_backbones.md): with
+`position_embedding_type="rotary"` every module has a `rotary` table over its head width and is called with
+`position_ids` (the positions of the query tokens, counting real tokens only); it rotates q and k with
+`self.rotate(...)` right after projecting them, before its own mechanism, and caches the rotated keys. With
+`num_key_value_heads < num_attention_heads` the key and value projections (`build_projections`) give fewer heads;
+`expand_kv` repeats each for its group of query heads (a softmax cache keeps the unrepeated ones).
 
 Optional parts, each opted into by a module that needs it:
 - `UsesRecomputation` (a `recompute=None` keyword of `forward` and `reference_forward`): a reversible stack
@@ -44,6 +52,8 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+
+from attnzoo.modeling.rotary import RotaryEmbedding
 
 ATTENTION_REGISTRY: dict[str, type[ZooAttention]] = {}
 
@@ -91,20 +101,61 @@ class ZooAttention(nn.Module):
     #: the config class (by name) whose fields the module reads; a model built with another config is refused.
     family_config: ClassVar[str] = "ZooConfig"
 
+    #: names of the modules that project into and out of the heads (the weights a conversion carries); everything
+    #: else an attention owns (feature maps, landmark transforms, ...) is its own, see `own_parameters`
+    projection_names: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
     def __init__(self, config, layer_idx: int, causal: bool, head_dim: int | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.causal = causal
         self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim or config.head_dim  # hidden_size / heads unless the attention has its own width
         self.hidden_size = config.hidden_size
+        rotary = getattr(config, "position_embedding_type", None) == "rotary"
+        self.rotary = RotaryEmbedding(config, self.head_dim) if rotary else None
 
     def build_projections(self) -> None:
-        """The usual separate q, k, v and output projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`)."""
+        """The usual separate q, k, v and output projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`); k and v have
+        `num_key_value_heads` heads."""
         bias = self.config.attention_bias
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, nn.Linear(self.hidden_size, self.hidden_size, bias=bias))
+        output_bias = getattr(self.config, "attention_output_bias", None)
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, inner, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, kv_inner, bias=bias)
+        self.o_proj = nn.Linear(inner, self.hidden_size, bias=bias if output_bias is None else output_bias)
+
+    def own_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of what this attention learns beyond its projections (a learnable feature map,
+        landmark transforms, ...): what attention transfer trains with everything else frozen. Empty for
+        attentions with nothing of their own (softmax, RA, LSH, local)."""
+        return [(name, p) for name, p in self.named_parameters() if name.split(".")[0] not in self.projection_names]
+
+    def rotation(self, position_ids, past: int, length: int, device, dtype):
+        """(cos, sin) for the `length` query tokens, or None without rotary positions. `position_ids` default to
+        `past, past + 1, ...` (a module called on its own, without padding)."""
+        if self.rotary is None:
+            return None
+        if position_ids is None:
+            position_ids = torch.arange(past, past + length, device=device)[None]
+        return self.rotary(position_ids, dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, rotation) -> torch.Tensor:
+        """x [batch, heads, length, head_dim] rotated by `rotation` (from `rotation()`); x itself when None."""
+        if rotation is None:
+            return x
+        cos, sin = rotation
+        return RotaryEmbedding.rotate(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, kv_heads, ...] -> [batch, heads, ...]: query head h reads key/value head h // group."""
+        if self.num_kv_heads == self.num_heads:
+            return x
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
     def set_image_layout(self, grid_size: tuple[int, int], class_token: bool) -> None:
         """Called when the module is built into an image encoder whose tokens are a `grid_size` patch grid (after a
@@ -120,8 +171,10 @@ class ZooAttention(nn.Module):
         return cache.layers[self.layer_idx] if cache is not None else None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        """[batch, length, heads * head_dim] -> [batch, heads, length, head_dim] (key/value projections of a
+        grouped-query model give fewer heads: the count follows from the width)."""
+        batch, length, width = x.shape
+        return x.view(batch, length, width // self.head_dim, self.head_dim).transpose(1, 2)
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, _, length, _ = x.shape

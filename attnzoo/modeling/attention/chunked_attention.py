@@ -13,6 +13,7 @@ from attnzoo.modeling.cache import TokenBufferLayer
 
 class ChunkedAttention(UsesRecomputation, ZooAttention):
     family_config = "ZooReformerConfig"
+    projection_names = ("query", "key", "value", "query_key", "output")
 
     def __init__(self, config, layer_idx: int, causal: bool, *, chunk_length: int, chunks_before: int,
                  chunks_after: int, dropout: float | None):
@@ -22,10 +23,15 @@ class ChunkedAttention(UsesRecomputation, ZooAttention):
         self.chunks_after = 0 if causal else chunks_after  # a causal query has nothing to see ahead
         self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
 
-    def projection(self, into_heads: bool = True) -> nn.Linear:
-        """hidden_size -> heads x head_dim (or back, for the output projection)."""
-        sizes = (self.hidden_size, self.inner_size) if into_heads else (self.inner_size, self.hidden_size)
-        return nn.Linear(*sizes, bias=self.config.attention_bias)
+    def projection(self, into_heads: bool = True, key_value: bool = False) -> nn.Linear:
+        """hidden_size -> heads x head_dim (`key_value`: the `num_key_value_heads` heads of keys and values), or
+        back, for the output projection."""
+        if not into_heads:
+            bias = getattr(self.config, "attention_output_bias", None)
+            return nn.Linear(self.inner_size, self.hidden_size,
+                             bias=self.config.attention_bias if bias is None else bias)
+        heads = self.num_kv_heads if key_value else self.num_heads
+        return nn.Linear(self.hidden_size, heads * self.head_dim, bias=self.config.attention_bias)
 
     @property
     def dropout_rate(self) -> float:

@@ -51,18 +51,21 @@ class KernelAttention(ZooAttention):
     def new_cache_layer(self):
         return RecurrentStateLayer()
 
-    def _heads(self, hidden_states):
+    def _heads(self, hidden_states, position_ids=None, past: int = 0):
         # Linear attention sums over the whole sequence: accumulate in float32 at least, whatever the model dtype.
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        return (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self.split_heads(proj(hidden_states)).to(compute) for proj in (self.q_proj, self.k_proj,
+                                                                                   self.v_proj))
+        rotation = self.rotation(position_ids, past, q.shape[2], q.device, compute)
+        return self.rotate(q, rotation), self.expand_kv(self.rotate(k, rotation)), self.expand_kv(v)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None):
-        q, k, v = self._heads(hidden_states)
-        batch, _, length, _ = q.shape
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         layer = self.cache_slot(cache)
         if layer is not None and not self.causal:
             raise ValueError("a cache is only used by causal (decoder) attention.")
         past = layer.get_seq_length() if layer is not None else 0
+        q, k, v = self._heads(hidden_states, position_ids, past)
+        batch, _, length, _ = q.shape
         key_mask = check_attention_mask(attention_mask, batch, past + length)
         key_mask = key_mask[:, past:] if key_mask is not None else None
         phi_q = stabilised_query_features(self.log_features(q, layer))
@@ -92,9 +95,9 @@ class KernelAttention(ZooAttention):
         layer.store(phi_q.shape[2], kv_sum=s, key_sum=z, running_max=m)
         return out
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         """The masked quadratic form over the same features (no cache)."""
-        q, k, v = self._heads(hidden_states)
+        q, k, v = self._heads(hidden_states, position_ids)
         batch, _, length, _ = q.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
         phi_q = stabilised_query_features(self.log_features(q, None))

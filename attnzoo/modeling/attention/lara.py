@@ -108,8 +108,8 @@ class LinearRandomizedAttention(CausalLARA):
         return q_bar_hat + logits.softmax(-1) @ k_bar_hat
 
     # -- bidirectional ------------------------------------------------------------------------------------
-    def _bidirectional_terms(self, hidden_states, attention_mask):
-        q, k, v = self._inputs(hidden_states)
+    def _bidirectional_terms(self, hidden_states, attention_mask, position_ids=None):
+        q, k, v = self._inputs(hidden_states, position_ids)
         key_mask = check_attention_mask(attention_mask, q.shape[0], q.shape[2])
         return self.bidirectional_terms(q, k, v, key_mask)
 
@@ -171,21 +171,22 @@ class LinearRandomizedAttention(CausalLARA):
         return alpha.clamp(min=ALPHA_FLOOR).log()
 
     # -- entry points -----------------------------------------------------------------------------------------
-    def forward(self, hidden_states, attention_mask=None, cache=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         if self.causal:
-            out = self.causal_forward(hidden_states, attention_mask, self.cache_slot(cache))
+            out = self.causal_forward(hidden_states, attention_mask, self.cache_slot(cache), position_ids)
         else:
-            out = snis_attention(*self._bidirectional_terms(hidden_states, attention_mask))
+            out = snis_attention(*self._bidirectional_terms(hidden_states, attention_mask, position_ids))
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         """The linear-attention form of the same estimator, without any stabilisation:
         out_n = Σ_c a_nc S_c / Σ_c a_nc z_c, a_nc = α_nc ξ(q̂_n, ω_c) / q̃_c(ω_c), S_c = Σ_m ξ(k̂_m, ω_c) v_m,
         z_c = Σ_m ξ(k̂_m, ω_c); the causal form sums over m <= n with a quadratic mask."""
         if self.causal:
-            out = self.causal_reference(hidden_states, attention_mask)
+            out = self.causal_reference(hidden_states, attention_mask, position_ids)
         else:
-            log_q, log_k, v, log_alpha, log_proposal = self._bidirectional_terms(hidden_states, attention_mask)
+            log_q, log_k, v, log_alpha, log_proposal = self._bidirectional_terms(hidden_states, attention_mask,
+                                                                                 position_ids)
             a = torch.exp(log_alpha + log_q - log_proposal)
             xi_k = log_k.exp()
             out = (a @ (xi_k.transpose(-1, -2) @ v)) / (a @ xi_k.sum(-2).unsqueeze(-1))

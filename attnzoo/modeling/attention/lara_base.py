@@ -55,9 +55,13 @@ class LARABase(ZooAttention):
                              f"(lara_landmarks={self.landmarks!r}) and the count must be a perfect square (e.g. "
                              f"{max(1, side) ** 2} or {(side + 1) ** 2}), or set lara_landmarks='1d'.")
 
-    def _inputs(self, hidden_states):
+    def _inputs(self, hidden_states, position_ids=None, past: int = 0):
+        """q, k, v [batch, heads, length, head_dim] in float32 at least, q and k rotated in rotary models, k and v
+        repeated for their query-head groups."""
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        return (self.split_heads(p(hidden_states)).to(compute) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (self.split_heads(p(hidden_states)).to(compute) for p in (self.q_proj, self.k_proj, self.v_proj))
+        rotation = self.rotation(position_ids, past, q.shape[2], q.device, compute)
+        return self.rotate(q, rotation), self.expand_kv(self.rotate(k, rotation)), self.expand_kv(v)
 
     def _transform(self, module, x):
         return x if module is None else module(x.to(module[0].weight.dtype)).to(x.dtype)

@@ -86,9 +86,9 @@ class CausalLARA(LARABase):
         log_alpha = alpha.clamp(min=ALPHA_FLOOR).log().masked_fill(~available[:, None], float("-inf"))
         return log_alpha + log_q - own
 
-    def _causal(self, hidden_states, attention_mask, layer=None):
+    def _causal(self, hidden_states, attention_mask, layer=None, position_ids=None):
         """The parallel (training) form; with `layer`, also the decoding state after these tokens (a prefill)."""
-        q, k, v = self._inputs(hidden_states)
+        q, k, v = self._inputs(hidden_states, position_ids)
         batch, _, length, _ = q.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
         order = None
@@ -135,18 +135,21 @@ class CausalLARA(LARABase):
                     q_sum=(self._transform(self.landmark_q, q) * partial).sum(2),
                     k_sum=(self._transform(self.landmark_k, k) * partial).sum(2))
 
-    def causal_forward(self, hidden_states, attention_mask, layer=None):
+    def causal_forward(self, hidden_states, attention_mask, layer=None, position_ids=None):
         """Causal LARA over new tokens: the parallel form, which also fills an empty cache slot (a prefill), or
         recurrent steps over a filled one."""
         if layer is None or not layer.state:
-            return self._causal(hidden_states, attention_mask, layer)
+            return self._causal(hidden_states, attention_mask, layer, position_ids)
         # A continuation after the prefill; generate() feeds one token at a time, so this loop is not a hot path.
-        return torch.cat([self._step(hidden_states[:, t:t + 1], layer) for t in range(hidden_states.shape[1])], 2)
+        past = layer.get_seq_length()
+        return torch.cat([self._step(hidden_states[:, t:t + 1], layer,
+                                     None if position_ids is None else position_ids[:, t:t + 1], past + t)
+                          for t in range(hidden_states.shape[1])], 2)
 
-    def _step(self, hidden_states, layer):
+    def _step(self, hidden_states, layer, position_ids=None, past: int = 0):
         """One new (real) token per row: update every available proposal's prefix sums, weight the proposals,
         and when a row completes a chunk, add that chunk's proposal with prefix sums over all its keys."""
-        q, k, v = self._inputs(hidden_states)
+        q, k, v = self._inputs(hidden_states, position_ids, past)
         chunk, scale = self.chunk_size, self.head_dim ** -0.25
         q_hat, k_hat = q * scale, k * scale
         state, counts = layer.state, layer.counts
@@ -193,9 +196,9 @@ class CausalLARA(LARABase):
             state[name][rows_t] = 0.0
 
 
-    def causal_reference(self, hidden_states, attention_mask):
+    def causal_reference(self, hidden_states, attention_mask, position_ids=None):
         """The quadratic masked form of the same features (unpadded input only)."""
-        q, k, v = self._inputs(hidden_states)
+        q, k, v = self._inputs(hidden_states, position_ids)
         key_mask = check_attention_mask(attention_mask, q.shape[0], q.shape[2])
         if key_mask is not None:
             raise ValueError("the causal reference handles unpadded input only")

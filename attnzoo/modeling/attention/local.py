@@ -39,17 +39,19 @@ class LocalAttention(ChunkedAttention):
         super().__init__(config, layer_idx, causal, chunk_length=config.local_chunk_length,
                          chunks_before=config.local_num_chunks_before, chunks_after=config.local_num_chunks_after,
                          dropout=config.local_attention_probs_dropout_prob)
-        self.query, self.key, self.value = self.projection(), self.projection(), self.projection()
+        self.query = self.projection()
+        self.key, self.value = self.projection(key_value=True), self.projection(key_value=True)
         self.output = self.projection(into_heads=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
-    def _project(self, hidden_states):
-        return (self.split_heads(self.query(hidden_states)), self.split_heads(self.key(hidden_states)),
-                self.split_heads(self.value(hidden_states)))
+    def _project(self, hidden_states, position_ids=None, past: int = 0):
+        q, k, v = (self.split_heads(p(hidden_states)) for p in (self.query, self.key, self.value))
+        rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
+        return self.rotate(q, rotation), self.expand_kv(self.rotate(k, rotation)), self.expand_kv(v)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
-        q, k, v = self._project(hidden_states)
+        q, k, v = self._project(hidden_states, position_ids, past)
         if past > 0:
             out = self._decode(q, k, v, key_mask, slot)
         else:
@@ -124,12 +126,12 @@ class LocalAttention(ChunkedAttention):
         start = lead + (torch.div(query_index - lead, m, rounding_mode="floor") - before) * m  # [B, n]
         return start[..., None] + torch.arange((before + 1) * m, device=device), query_index
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         """Dense [L, L] masks: key j is allowed to query i when its chunk (counted from the row's first real
         token) is at most `before` chunks back / `after` ahead of i's, j is real, and (causal) j <= i."""
         batch, length, _ = hidden_states.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
-        q, k, v = self._project(hidden_states)
+        q, k, v = self._project(hidden_states, position_ids)
         valid = self.all_real(key_mask, batch, length, q.device)
         lead = leading_padding(valid)
         chunk = torch.div(torch.arange(length, device=q.device) - lead[:, None], self.chunk_length,

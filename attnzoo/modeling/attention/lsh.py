@@ -43,7 +43,8 @@ class LSHAttention(ChunkedAttention):
         super().__init__(config, layer_idx, causal, chunk_length=config.lsh_chunk_length,
                          chunks_before=config.lsh_num_chunks_before, chunks_after=config.lsh_num_chunks_after,
                          dropout=config.lsh_attention_probs_dropout_prob)
-        self.query_key, self.value = self.projection(), self.projection()
+        # Shared QK has one head per query head; grouped-query models group the values only.
+        self.query_key, self.value = self.projection(), self.projection(key_value=True)
         self.output = self.projection(into_heads=False)
         self.num_buckets = config.lsh_num_buckets
         self.num_hashes_train = config.lsh_num_hashes
@@ -98,14 +99,18 @@ class LSHAttention(ChunkedAttention):
             buckets = buckets.masked_fill(~valid[:, None, None, :], math.prod(factors))
         return buckets
 
-    def _project(self, hidden_states):
-        return self.split_heads(self.query_key(hidden_states)), self.split_heads(self.value(hidden_states))
+    def _project(self, hidden_states, position_ids=None, past: int = 0):
+        """The shared query-key vectors (rotated in rotary models, before hashing: buckets then group vectors that
+        are close in content and position alike) and the values, repeated for their query-head groups."""
+        qk = self.split_heads(self.query_key(hidden_states))
+        qk = self.rotate(qk, self.rotation(position_ids, past, qk.shape[2], qk.device, qk.dtype))
+        return qk, self.expand_kv(self.split_heads(self.value(hidden_states)))
 
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
-        qk, v = self._project(hidden_states)
+        qk, v = self._project(hidden_states, position_ids, past)
         if past > 0:
             out = self._decode(qk, v, None if key_mask is None else key_mask[:, past:], slot)
         else:
@@ -306,7 +311,7 @@ class LSHAttention(ChunkedAttention):
         return torch.softmax(scores, dim=-1).unsqueeze(2) @ values
 
     # -- reference ------------------------------------------------------------------------------------------
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         """The same attention written out with dense [L, L] masks per round (no chunk layout, no sort tricks), and
         the duplicate correction as the paper writes it: every score lowered by log(number of rounds in which the
         key is a candidate of the query) (Appendix A).
@@ -316,7 +321,7 @@ class LSHAttention(ChunkedAttention):
         """
         batch, length, _ = hidden_states.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
-        qk, v = self._project(hidden_states)
+        qk, v = self._project(hidden_states, position_ids)
         valid = self.all_real(key_mask, batch, length, qk.device)
         keys = normalize_keys(qk)
         scores = qk @ keys.transpose(-1, -2)  # [B, H, L, L]

@@ -83,11 +83,16 @@ class RandomizedAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
-    def _inputs(self, hidden_states, attention_mask, cache):
+    def _inputs(self, hidden_states, attention_mask, cache, position_ids):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
+            q, k = self.rotate(q, rotation), self.rotate(k, rotation)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        k, v = self.expand_kv(k), self.expand_kv(v)
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         scale = self.head_dim ** -0.25
@@ -115,15 +120,15 @@ class RandomizedAttention(ZooAttention):
         return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
                             self.noise_std if self.training else 0.0, uniform)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None):
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
         out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         """The same draws, with f written as the ratio of the mixture's densities, query factor included:
         f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache)
+        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
         omega = self.sample_omega(q_hat, k_hat, allowed, key_mask)
         xi_q = torch.exp((omega * q_hat.unsqueeze(3)).sum(-1) - 0.5 * (q_hat * q_hat).sum(-1, keepdim=True))
         xi_k = torch.exp(torch.einsum("bhnsd,bhmd->bhnsm", omega, k_hat) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None,

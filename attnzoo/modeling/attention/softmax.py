@@ -44,16 +44,20 @@ class SoftmaxAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
-    def _project(self, hidden_states, cache):
+    def _project(self, hidden_states, cache, position_ids):
         q = self.split_heads(self.q_proj(hidden_states))
         k = self.split_heads(self.k_proj(hidden_states))
         v = self.split_heads(self.v_proj(hidden_states))
-        if cache is not None:
+        if self.rotary is not None:
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
+            q, k = self.rotate(q, rotation), self.rotate(k, rotation)
+        if cache is not None:  # the cache keeps the key/value heads before they are repeated for their groups
             k, v = cache.update(k, v, self.layer_idx)
-        return q, k, v
+        return q, self.expand_kv(k), self.expand_kv(v)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None):
-        q, k, v = self._project(hidden_states, cache)
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        q, k, v = self._project(hidden_states, cache, position_ids)
         query_len, key_len = q.shape[2], k.shape[2]
         key_mask = check_attention_mask(attention_mask, q.shape[0], key_len)
         # Without padding and with no cached prefix, SDPA's is_causal path needs no mask tensor at all.
@@ -63,8 +67,8 @@ class SoftmaxAttention(ZooAttention):
         out = _sdpa(q, k, v, allowed, causal_flag, self.dropout if self.training else 0.0)
         return self.o_proj(self.merge_heads(out))
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None):
-        q, k, v = self._project(hidden_states, cache)
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        q, k, v = self._project(hidden_states, cache, position_ids)
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         return self.o_proj(self.merge_heads(softmax_attention_reference(q, k, v, allowed)))

@@ -6,4 +6,5 @@ from attnzoo.configuration.ra import ZooRAConfig
 from attnzoo.configuration.reformer import ZooReformerConfig
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
 
-__all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooPerformerConfig", "ZooRAConfig", "ZooReformerConfig", "ZooSoftmaxConfig"]
+__all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooPerformerConfig", "ZooRAConfig", "ZooReformerConfig",
+           "ZooSoftmaxConfig"]

@@ -7,7 +7,7 @@ from attnzoo.validation import check_choice, check_positive_ints, fail
 
 FEATURE_MAPS = ("positive", "hyperbolic")
 FEATURE_NORMS = ("chi", "sqrt_d")
-REDRAW_POLICIES = ("every_step", "interval", "fixed")
+REDRAW_POLICIES = ("every_step", "interval", "fixed", "learned")
 
 
 class ZooPerformerConfig(ZooConfig):
@@ -20,7 +20,10 @@ class ZooPerformerConfig(ZooConfig):
         feature_map: "positive" (FAVOR+) or "hyperbolic" (2m features, lower variance).
         orthogonal_features: block-orthogonal projections (with the QR sign fix) instead of i.i.d. Gaussian.
         feature_norm: row lengths of orthogonal projections: "chi" (unbiased) or "sqrt_d".
-        feature_redraw: "every_step", "interval" (every `feature_redraw_interval` training forwards) or "fixed".
+        feature_redraw: "every_step", "interval" (every `feature_redraw_interval` training forwards), "fixed", or
+            "learned": the projection is a parameter, drawn once as "fixed" and then trained (a learnable feature
+            map, as the linearizers fit one by attention transfer: "Hedgehog", arXiv 2402.04347; "LoLCATs", arXiv
+            2410.10254). Its features stay positive, but no longer estimate exp(q·k) without bias.
         elu_alpha: α of the elu+1 map, elu(x) + 1 with elu's α (1 is the usual map; any α in (0, 1] keeps it positive).
         linear_attention_chunk_size: chunk length of the causal form (memory O(N·chunk)).
     """

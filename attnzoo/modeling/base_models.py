@@ -16,6 +16,7 @@ from attnzoo.modeling.attention import InitialisesBuffers, ZooAttention
 from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
+from attnzoo.modeling.rotary import RotaryEmbedding
 from attnzoo.remote_code import auto_map, family_model_classes, write_remote_code
 from attnzoo.transformers_compat import GenerationHooks, take_cache, with_cache
 
@@ -60,6 +61,8 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
                 init.normal_(weight, mean=0.0, std=std)
         elif isinstance(module, InitialisesBuffers):
             module.init_buffers()
+        elif isinstance(module, RotaryEmbedding):
+            init.copy_(module.inv_freq, module.table())
         elif isinstance(module, PatchEmbedding):
             if module.cls_token is not None:
                 init.trunc_normal_(module.cls_token, std=std)

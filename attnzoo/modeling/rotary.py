@@ -30,19 +30,17 @@ class RotaryEmbedding(nn.Module):
                              "hidden_size / num_attention_heads (or the family's head size).")
         self.dim = dim
         self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
-        # A plain tensor per device, not a buffer: the table follows from the config, so checkpoints stay as they
-        # are, and nothing depends on how transformers materialises buffers of a model built on the meta device.
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        # Not persistent: the table follows from the config, so checkpoints stay as they are. A model built on the
+        # meta device gets it back from `_init_weights` (`reset_table`).
+        self.register_buffer("inv_freq", self.table(), persistent=False)
 
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = inverse_frequencies(self.rope_theta, self.dim, self.rope_scaling).to(device)
-        return self._inv_freq[device]
+    def table(self) -> torch.Tensor:
+        return inverse_frequencies(self.rope_theta, self.dim, self.rope_scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [batch, 1, length, dim] (to broadcast over heads) for [batch, length] positions."""
         with torch.autocast(device_type=position_ids.device.type, enabled=False):
-            angles = position_ids[..., None].float() * self.inv_freq(position_ids.device)
+            angles = position_ids[..., None].float() * self.inv_freq.float()
             angles = torch.cat((angles, angles), dim=-1)
             return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 

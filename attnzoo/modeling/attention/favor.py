@@ -10,6 +10,7 @@ token costs the same whatever the context length.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import initialization as init
 
 from attnzoo.modeling.attention.base import (
@@ -117,8 +118,9 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
 
     Projection policy (`feature_redraw`): "every_step" draws new features for every training forward (the RA/LARA
     paper's set-up), "interval" every `feature_redraw_interval` training forwards (performer-pytorch's), "fixed"
-    never. Evaluation always uses `eval_projection`, a persistent buffer saved with the checkpoint, so a reloaded
-    model gives identical outputs. Features are drawn per head, shared across the batch.
+    never, "learned" trains one (`learned_projection`, a parameter). Evaluation uses `eval_projection` (or the
+    learned one), saved with the checkpoint, so a reloaded model gives identical outputs. Features are drawn per
+    head, shared across the batch.
     """
 
     def __init__(self, config, layer_idx: int, causal: bool):
@@ -131,7 +133,10 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
         self.redraw_interval = config.feature_redraw_interval
         shape = (self.num_heads, self.num_features, self.head_dim)
         # Filled by init_buffers() (from _init_weights) unless a checkpoint provides them.
-        self.register_buffer("eval_projection", torch.empty(shape), persistent=True)
+        if self.redraw == "learned":  # one trained projection, in training and evaluation
+            self.learned_projection = nn.Parameter(torch.empty(shape))
+        else:
+            self.register_buffer("eval_projection", torch.empty(shape), persistent=True)
         if self.redraw == "interval":
             self.register_buffer("train_projection", torch.empty(shape), persistent=True)
             self.register_buffer("redraw_counter", torch.zeros((), dtype=torch.long), persistent=True)
@@ -139,6 +144,9 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
         self._calls = None  # a host copy of redraw_counter, so start_forward() never waits for the device
 
     def init_buffers(self) -> None:
+        if self.redraw == "learned":
+            init.copy_(self.learned_projection, self.draw_projection(self.learned_projection.device))
+            return
         init.copy_(self.eval_projection, self.draw_projection(self.eval_projection.device))
         if self.redraw == "interval":
             init.copy_(self.train_projection, self.draw_projection(self.train_projection.device))
@@ -156,7 +164,7 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
     def start_forward(self) -> None:
         """The training projection of this forward pass: a new draw ("every_step"), the interval's draw
         ("interval"), or none ("fixed" and evaluation use `eval_projection`)."""
-        if not self.training or self.redraw == "fixed":
+        if not self.training or self.redraw in ("fixed", "learned"):
             return
         if self.redraw == "every_step":
             self._step_projection = self.draw_projection(self.eval_projection.device)
@@ -171,7 +179,9 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
     def projection(self, layer: RecurrentStateLayer | None) -> torch.Tensor:
         if layer is not None and "projection" in layer.shared:  # one projection for a whole generation
             return layer.shared["projection"]
-        if not self.training or self.redraw == "fixed":
+        if self.redraw == "learned":
+            projection = self.learned_projection
+        elif not self.training or self.redraw == "fixed":
             projection = self.eval_projection
         elif self.redraw == "interval":
             projection = self.train_projection

@@ -9,6 +9,7 @@ from attnzoo.configuration import (
     ZooRAConfig,
     ZooReformerConfig,
     ZooSoftmaxConfig,
+    ZooWindowConfig,
 )
 from attnzoo.modeling import (
     ATTENTION_REGISTRY,
@@ -20,6 +21,7 @@ from attnzoo.modeling import (
     modeling_ra,
     modeling_reformer,
     modeling_softmax,
+    modeling_window,
     register_attention,
 )
 from attnzoo.modeling.modeling_hybrid import *  # noqa: F403  (each family module lists its classes)
@@ -28,6 +30,7 @@ from attnzoo.modeling.modeling_performer import *  # noqa: F403
 from attnzoo.modeling.modeling_ra import *  # noqa: F403
 from attnzoo.modeling.modeling_reformer import *  # noqa: F403
 from attnzoo.modeling.modeling_softmax import *  # noqa: F403
+from attnzoo.modeling.modeling_window import *  # noqa: F403
 from attnzoo.registration import register_family
 
 __version__ = "0.1.0"
@@ -35,7 +38,8 @@ __version__ = "0.1.0"
 # The one list of families: the scripts' and converters' `--family` choices derive from it (registration.py).
 for _config_class, _module in ((ZooSoftmaxConfig, modeling_softmax), (ZooReformerConfig, modeling_reformer),
                                (ZooPerformerConfig, modeling_performer), (ZooRAConfig, modeling_ra),
-                               (ZooLARAConfig, modeling_lara), (ZooHybridConfig, modeling_hybrid)):
+                               (ZooLARAConfig, modeling_lara), (ZooHybridConfig, modeling_hybrid),
+                               (ZooWindowConfig, modeling_window)):
     register_family(_config_class, _module)
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "ZooRAConfig",
     "ZooReformerConfig",
     "ZooSoftmaxConfig",
+    "ZooWindowConfig",
     "register_attention",
     *modeling_softmax.__all__,
     *modeling_reformer.__all__,
@@ -56,4 +61,5 @@ __all__ = [
     *modeling_ra.__all__,
     *modeling_lara.__all__,
     *modeling_hybrid.__all__,
+    *modeling_window.__all__,
 ]

@@ -5,6 +5,7 @@ from attnzoo.configuration.performer import ZooPerformerConfig
 from attnzoo.configuration.ra import ZooRAConfig
 from attnzoo.configuration.reformer import ZooReformerConfig
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
+from attnzoo.configuration.window import ZooWindowConfig
 
 __all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooPerformerConfig", "ZooRAConfig", "ZooReformerConfig",
-           "ZooSoftmaxConfig"]
+           "ZooSoftmaxConfig", "ZooWindowConfig"]

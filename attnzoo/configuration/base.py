@@ -110,6 +110,9 @@ class ZooConfig(PreTrainedConfig):
         position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table), "rotary" (RoPE,
             "RoFormer", arXiv 2104.09864: q and k of every attention are rotated by position before the attention's
             own mechanism; no position is added to the embeddings and no length limit applies) or "none".
+        window_size / num_sink_tokens: the "window" attention (and the window part of windowed layers): each
+            query sees the last `window_size` tokens and the first `num_sink_tokens` tokens of its sequence
+            (StreamingLLM's attention sinks, arXiv 2309.17453), exactly.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
             (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
@@ -164,6 +167,8 @@ class ZooConfig(PreTrainedConfig):
     axial_pos_embds_dim: list[int] | tuple[int, ...] | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    window_size: int = 64
+    num_sink_tokens: int = 4
 
     image_size: int = 224
     patch_size: int = 16
@@ -255,6 +260,8 @@ class ZooConfig(PreTrainedConfig):
                  "group of query heads); pick a divisor, or None for one per query head.")
         if self.position_embedding_type == "rotary":
             check_rope(self)
+        check_positive_ints(self, ("window_size",))
+        check_int(self, "num_sink_tokens", 0, "set a non-negative integer (0 = a plain sliding window).")
         for name in ("chunk_size_feed_forward", "loss_chunk_size"):
             check_int(self, name, 0, "set 0 (no chunking) or a positive chunk length.")
         for name in ("attn_layers", "decoder_attn_layers"):

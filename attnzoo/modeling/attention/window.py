@@ -1,0 +1,208 @@
+"""Sliding-window attention with attention sinks: each query sees, exactly, the last `window_size` tokens (itself
+included) and the first `num_sink_tokens` tokens of its sequence.
+
+The sinks are "Efficient Streaming Language Models with Attention Sinks" (StreamingLLM, arXiv 2309.17453): trained
+softmax models put much of their attention mass on the first tokens, so a window keeps quality only when those stay
+visible. Cut into a pretrained model with no training at all (window 64, 4 sinks), this is the baseline that
+linearizing conversions have to beat ("Sliding-window beats linear attention", arXiv 2608.28444).
+
+Positions count real tokens, from each row's first real token, so a left-padded row attends exactly as it would
+alone: the module moves each row's real tokens to the front, attends, and moves the outputs back. The parallel form
+cuts the sequence into blocks of `window_size` queries; each block's keys are its own block, the block before (and,
+in bidirectional layers, the one after) and the sinks, so memory and time are O(length * (2 * window + sinks)). A
+sink that is also inside a query's window is counted once (in the window). Decoding keeps the sinks and a ring of
+the last `window_size` tokens: S + W keys and values per layer, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.ops.windowed_attention import mask_values, pad_to_multiple
+
+
+def left_align(valid: torch.Tensor) -> torch.Tensor:
+    """[B, L] permutation that moves each row's real tokens to the front, in order (stable)."""
+    return torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
+
+
+def gather_tokens(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x [B, H, L, d] reordered along L by order [B, L]."""
+    return x.gather(2, order[:, None, :, None].expand_as(x))
+
+
+class WindowStateLayer(RecurrentStateLayer):
+    """Decoding state of a window-with-sinks layer: the sinks' keys and values [B, kv_heads, S, d] with their
+    validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
+    and the number of real tokens seen per row [B]. Its size does not grow with the context."""
+
+
+@register_attention("window")
+class SlidingWindowAttention(ZooAttention):
+    """Exact softmax over the last `window_size` tokens and the first `num_sink_tokens` ones; see the module
+    docstring. Bidirectional layers see `window_size - 1` tokens to each side."""
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        self.build_projections()
+        self.window = config.window_size
+        self.sinks = config.num_sink_tokens
+        self.dropout = config.attention_probs_dropout_prob
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def new_cache_layer(self):
+        return WindowStateLayer()
+
+    def _project(self, hidden_states, position_ids, past):
+        q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
+        return self.rotate(q, rotation), self.rotate(k, rotation), v
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        layer = self.cache_slot(cache)
+        if layer is not None and not self.causal:
+            raise ValueError("a cache is only used by causal (decoder) attention.")
+        batch, length, _ = hidden_states.shape
+        past = layer.get_seq_length() if layer is not None else 0
+        key_mask = check_attention_mask(attention_mask, batch, past + length)
+        valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                         device=hidden_states.device)
+        q, k, v = self._project(hidden_states, position_ids, past)
+        if layer is not None and layer.state:
+            # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
+            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer)
+                             for t in range(length)], dim=2)
+        else:
+            out = self._parallel(q, k, v, valid, layer)
+        return self.o_proj(self.merge_heads(out))
+
+    # -- the parallel form ----------------------------------------------------------------------------------
+    def _parallel(self, q, k, v, valid, layer=None):
+        batch, heads, length, dim = q.shape
+        order = left_align(valid)
+        q, k, v = gather_tokens(q, order), gather_tokens(k, order), gather_tokens(v, order)
+        n_real = valid.sum(-1)
+        if layer is not None:
+            self._start_state(layer, k, v, n_real)
+        k, v = self.expand_kv(k), self.expand_kv(v)
+        w = self.window
+        q, k, v = (pad_to_multiple(x, w, dim=2) for x in (q, k, v))
+        blocks = q.shape[2] // w
+        position = torch.arange(blocks * w, device=q.device)
+        real = position[None, :] < n_real[:, None]  # [B, Lp], after left alignment
+        neighbours = [-1, 0] if self.causal else [-1, 0, 1]
+
+        def around(x):  # [B, H, Lp, d] -> [B, H, blocks, len(neighbours) * w, d]: each block's neighbour blocks
+            x = x.view(*x.shape[:2], blocks, w, -1)
+            padded = F.pad(x, (0, 0, 0, 0, 1, 1))
+            return torch.cat([padded[:, :, 1 + n:1 + n + blocks] for n in neighbours], dim=3)
+
+        keys, values = around(k), around(v)
+        key_pos = (torch.arange(blocks, device=q.device)[:, None] * w
+                   + torch.arange(-w, (len(neighbours) - 1) * w, device=q.device)[None, :])  # [blocks, n * w]
+        key_real = real.gather(1, key_pos.clamp(0, blocks * w - 1).flatten()[None].expand(batch, -1)).view(
+            batch, blocks, -1) & (key_pos >= 0) & (key_pos < blocks * w)
+        query_pos = position.view(blocks, w)
+        gap = query_pos[:, :, None] - key_pos[:, None, :]  # [blocks, w, n * w]
+        near = (gap >= 0) & (gap < w) if self.causal else gap.abs() < w
+        allowed = near[None] & key_real[:, :, None, :]
+        sink_count = min(self.sinks, blocks * w)
+        if sink_count:
+            sink_pos = torch.arange(sink_count, device=q.device)
+            sink_gap = query_pos[:, :, None] - sink_pos  # [blocks, w, S]
+            # sinks outside the query's window only (inside it, the window part already counts them)
+            far = (sink_gap >= w) if self.causal else sink_gap.abs() >= w
+            sink_allowed = far[None] & real[:, None, None, :sink_count]
+            keys = torch.cat([k[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), keys], dim=3)
+            values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
+            allowed = torch.cat([sink_allowed, allowed], dim=-1)
+        # a padded query with nothing to see attends its own key (finite, never read)
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & self._own_key(allowed.shape, w, len(neighbours),
+                                                                             q.device))
+        scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys) * self.scale
+        scores = scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0])
+        probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
+        out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, blocks * w, dim)[:, :, :length]
+        return torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
+
+    def _own_key(self, shape, w, neighbour_count, device):
+        """Bool mask of the same shape as the allowed keys, True at each query's own key (in the window part, which
+        comes last: the query's own block is the one at offset 0)."""
+        own = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
+        own_block_start = shape[-1] - neighbour_count * w + w  # keys: sinks, then blocks -1, 0 (, +1)
+        own[torch.arange(w), own_block_start + torch.arange(w)] = True
+        return own
+
+    # -- decoding -------------------------------------------------------------------------------------------
+    def _start_state(self, layer, k, v, n_real):
+        """The state after a prefill of left-aligned keys/values: sinks = the first S real tokens, window = the last
+        W real tokens of each row."""
+        batch, kv_heads, length, dim = k.shape
+        device = k.device
+        s, w = self.sinks, self.window
+        sink_index = torch.arange(s, device=device)
+        sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
+        window_index = n_real[:, None] - w + torch.arange(w, device=device)[None]  # [B, W]
+        window_take = window_index.clamp(0, max(length - 1, 0))
+
+        def take(x, index):
+            return x.gather(2, index[:, None, :, None].expand(batch, kv_heads, index.shape[1], dim))
+
+        layer.store(length, sink_k=take(k, sink_take), sink_v=take(v, sink_take),
+                    sink_valid=sink_index[None] < n_real[:, None],
+                    window_k=take(k, window_take), window_v=take(v, window_take),
+                    window_pos=torch.where(window_index >= 0, window_index, -1), count=n_real.clone())
+
+    def _step(self, q, k, v, real, layer):
+        """One new token per row (`real` [B]: whether it is a real token): update the sinks and the ring, then attend
+        to them. Padded tokens leave the state as it was."""
+        state = layer.state
+        position = state["count"]  # [B]: this token's position when real
+        s, w = self.sinks, self.window
+        gate = real[:, None, None, None]
+        if s:
+            slot = (torch.arange(s, device=q.device)[None] == position[:, None]) & real[:, None]  # [B, S]
+            state["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
+            state["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
+            state["sink_valid"] = state["sink_valid"] | slot
+        state["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
+        state["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
+        state["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]],
+                                                                   1), state["window_pos"])
+        state["count"] = position + real.long()
+        layer.length += 1
+        sink_allowed = state["sink_valid"] & (torch.arange(s, device=q.device)[None] <= (position - w)[:, None])
+        window_allowed = state["window_pos"] >= 0
+        allowed = torch.cat([sink_allowed, window_allowed], dim=1)
+        allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
+        keys = self.expand_kv(torch.cat([state["sink_k"], state["window_k"]], 2))
+        values = self.expand_kv(torch.cat([state["sink_v"], state["window_v"]], 2))
+        scores = (q @ keys.transpose(-1, -2)) * self.scale
+        probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
+        return probs @ values
+
+    # -- reference --------------------------------------------------------------------------------------------
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        """Dense [L, L] masks over positions counted in real tokens: key j is allowed to query i when it is real,
+        within the window (causal: 0 <= pos_i - pos_j < W; bidirectional: |pos_i - pos_j| < W) or one of the first
+        S real tokens; a padded query sees its own key."""
+        batch, length, _ = hidden_states.shape
+        key_mask = check_attention_mask(attention_mask, batch, length)
+        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                 device=hidden_states.device)
+        q, k, v = self._project(hidden_states, position_ids, 0)
+        k, v = self.expand_kv(k), self.expand_kv(v)
+        pos = valid.long().cumsum(-1) - 1  # [B, L]
+        gap = pos[:, :, None] - pos[:, None, :]
+        near = ((gap >= 0) & (gap < self.window)) if self.causal else gap.abs() < self.window
+        sink = (pos[:, None, :] < self.sinks) & ((gap >= 0) if self.causal else True)
+        allowed = (near | sink) & valid[:, None, :]
+        allowed = allowed | torch.eye(length, dtype=torch.bool, device=q.device)[None] & ~valid[:, :, None]
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        return self.o_proj(self.merge_heads(scores.softmax(-1) @ v))

@@ -36,6 +36,55 @@ def gather_tokens(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return x.gather(2, order[:, None, :, None].expand_as(x))
 
 
+def restore_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of `gather_tokens(x, order)` along the token axis (2)."""
+    return torch.empty_like(x).scatter_(2, order[:, None, :, None].expand_as(x), x)
+
+
+def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale: float):
+    """The blocked window-with-sinks scores of left-aligned q, k, v [B, H, L, d] with `n_real` [B] real tokens:
+    (scores [B, H, blocks, window, keys] with disallowed keys at the dtype's most negative value, values
+    [B, H, blocks, keys, d]). Block c's keys are the sinks, then blocks c - 1 and c (and c + 1 when not causal); a
+    sink inside a query's window is counted in the window only; a padded query with nothing to see gets its own
+    key. Query rows past L (up to `blocks * window`) are padding."""
+    batch, heads, _, dim = q.shape
+    w = window
+    q, k, v = (pad_to_multiple(x, w, dim=2) for x in (q, k, v))
+    blocks = q.shape[2] // w
+    device = q.device
+    position = torch.arange(blocks * w, device=device)
+    real = position[None, :] < n_real[:, None]  # [B, Lp]
+    neighbours = [-1, 0] if causal else [-1, 0, 1]
+
+    def around(x):  # [B, H, Lp, d] -> [B, H, blocks, len(neighbours) * w, d]: each block's neighbour blocks
+        x = x.view(*x.shape[:2], blocks, w, -1)
+        padded = F.pad(x, (0, 0, 0, 0, 1, 1))
+        return torch.cat([padded[:, :, 1 + n:1 + n + blocks] for n in neighbours], dim=3)
+
+    keys, values = around(k), around(v)
+    key_pos = (torch.arange(blocks, device=device)[:, None] * w
+               + torch.arange(-w, (len(neighbours) - 1) * w, device=device)[None, :])  # [blocks, n * w]
+    in_range = (key_pos >= 0) & (key_pos < blocks * w)
+    key_real = real.gather(1, key_pos.clamp(0, blocks * w - 1).flatten()[None].expand(batch, -1)).view(
+        batch, blocks, -1) & in_range
+    query_pos = position.view(blocks, w)
+    gap = query_pos[:, :, None] - key_pos[:, None, :]  # [blocks, w, n * w]
+    near = (gap >= 0) & (gap < w) if causal else gap.abs() < w
+    allowed = near[None] & key_real[:, :, None, :]
+    own = gap == 0
+    sink_count = min(sinks, blocks * w)
+    if sink_count:
+        sink_gap = query_pos[:, :, None] - torch.arange(sink_count, device=device)  # [blocks, w, S]
+        far = (sink_gap >= w) if causal else sink_gap.abs() >= w
+        allowed = torch.cat([far[None] & real[:, None, None, :sink_count], allowed], dim=-1)
+        keys = torch.cat([k[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), keys], dim=3)
+        values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
+        own = torch.cat([torch.zeros_like(far), own], dim=-1)
+    allowed = allowed | (~allowed.any(-1, keepdim=True) & own[None])
+    scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys) * scale
+    return scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0]), values
+
+
 class WindowStateLayer(RecurrentStateLayer):
     """Decoding state of a window-with-sinks layer: the sinks' keys and values [B, kv_heads, S, d] with their
     validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
@@ -89,54 +138,11 @@ class SlidingWindowAttention(ZooAttention):
         n_real = valid.sum(-1)
         if layer is not None:
             self._start_state(layer, k, v, n_real)
-        k, v = self.expand_kv(k), self.expand_kv(v)
-        w = self.window
-        q, k, v = (pad_to_multiple(x, w, dim=2) for x in (q, k, v))
-        blocks = q.shape[2] // w
-        position = torch.arange(blocks * w, device=q.device)
-        real = position[None, :] < n_real[:, None]  # [B, Lp], after left alignment
-        neighbours = [-1, 0] if self.causal else [-1, 0, 1]
-
-        def around(x):  # [B, H, Lp, d] -> [B, H, blocks, len(neighbours) * w, d]: each block's neighbour blocks
-            x = x.view(*x.shape[:2], blocks, w, -1)
-            padded = F.pad(x, (0, 0, 0, 0, 1, 1))
-            return torch.cat([padded[:, :, 1 + n:1 + n + blocks] for n in neighbours], dim=3)
-
-        keys, values = around(k), around(v)
-        key_pos = (torch.arange(blocks, device=q.device)[:, None] * w
-                   + torch.arange(-w, (len(neighbours) - 1) * w, device=q.device)[None, :])  # [blocks, n * w]
-        key_real = real.gather(1, key_pos.clamp(0, blocks * w - 1).flatten()[None].expand(batch, -1)).view(
-            batch, blocks, -1) & (key_pos >= 0) & (key_pos < blocks * w)
-        query_pos = position.view(blocks, w)
-        gap = query_pos[:, :, None] - key_pos[:, None, :]  # [blocks, w, n * w]
-        near = (gap >= 0) & (gap < w) if self.causal else gap.abs() < w
-        allowed = near[None] & key_real[:, :, None, :]
-        sink_count = min(self.sinks, blocks * w)
-        if sink_count:
-            sink_pos = torch.arange(sink_count, device=q.device)
-            sink_gap = query_pos[:, :, None] - sink_pos  # [blocks, w, S]
-            # sinks outside the query's window only (inside it, the window part already counts them)
-            far = (sink_gap >= w) if self.causal else sink_gap.abs() >= w
-            sink_allowed = far[None] & real[:, None, None, :sink_count]
-            keys = torch.cat([k[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), keys], dim=3)
-            values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
-            allowed = torch.cat([sink_allowed, allowed], dim=-1)
-        # a padded query with nothing to see attends its own key (finite, never read)
-        allowed = allowed | (~allowed.any(-1, keepdim=True) & self._own_key(allowed.shape, w, len(neighbours),
-                                                                             q.device))
-        scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys) * self.scale
-        scores = scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0])
+        scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window, self.sinks,
+                                       self.causal, self.scale)
         probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
-        out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, blocks * w, dim)[:, :, :length]
-        return torch.empty_like(out).scatter_(2, order[:, None, :, None].expand_as(out), out)
-
-    def _own_key(self, shape, w, neighbour_count, device):
-        """Bool mask of the same shape as the allowed keys, True at each query's own key (in the window part, which
-        comes last: the query's own block is the one at offset 0)."""
-        own = torch.zeros(shape[-2:], dtype=torch.bool, device=device)
-        own_block_start = shape[-1] - neighbour_count * w + w  # keys: sinks, then blocks -1, 0 (, +1)
-        own[torch.arange(w), own_block_start + torch.arange(w)] = True
-        return own
+        out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, -1, dim)[:, :, :length]
+        return restore_order(out, order)
 
     # -- decoding -------------------------------------------------------------------------------------------
     def _start_state(self, layer, k, v, n_real):
@@ -161,12 +167,20 @@ class SlidingWindowAttention(ZooAttention):
     def _step(self, q, k, v, real, layer):
         """One new token per row (`real` [B]: whether it is a real token): update the sinks and the ring, then attend
         to them. Padded tokens leave the state as it was."""
+        position = layer.state["count"]  # [B]: this token's position when real
+        self._step_update(k, v, real, layer)
+        keys, values, allowed = self._step_keys(layer, position, q.device)
+        scores = (q @ keys.transpose(-1, -2)) * self.scale
+        probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
+        return probs @ values
+
+    def _step_update(self, k, v, real, layer):
+        """Write a new token (per row, when real) into the sinks (while fewer than S were seen) and the ring."""
         state = layer.state
-        position = state["count"]  # [B]: this token's position when real
-        s, w = self.sinks, self.window
+        position = state["count"]
         gate = real[:, None, None, None]
-        if s:
-            slot = (torch.arange(s, device=q.device)[None] == position[:, None]) & real[:, None]  # [B, S]
+        if self.sinks:
+            slot = (torch.arange(self.sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
             state["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
             state["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
             state["sink_valid"] = state["sink_valid"] | slot
@@ -176,15 +190,18 @@ class SlidingWindowAttention(ZooAttention):
                                                                    1), state["window_pos"])
         state["count"] = position + real.long()
         layer.length += 1
-        sink_allowed = state["sink_valid"] & (torch.arange(s, device=q.device)[None] <= (position - w)[:, None])
-        window_allowed = state["window_pos"] >= 0
-        allowed = torch.cat([sink_allowed, window_allowed], dim=1)
+
+    def _step_keys(self, layer, position, device):
+        """(keys, values [B, H, S + W, d], allowed [B, S + W]) a token at `position` [B] attends to: the sinks
+        outside its window, and the ring."""
+        state = layer.state
+        sink_allowed = state["sink_valid"] & (torch.arange(self.sinks, device=device)[None]
+                                              <= (position - self.window)[:, None])
+        allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
         allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
         keys = self.expand_kv(torch.cat([state["sink_k"], state["window_k"]], 2))
         values = self.expand_kv(torch.cat([state["sink_v"], state["window_v"]], 2))
-        scores = (q @ keys.transpose(-1, -2)) * self.scale
-        probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
-        return probs @ values
+        return keys, values, allowed
 
     # -- reference --------------------------------------------------------------------------------------------
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):

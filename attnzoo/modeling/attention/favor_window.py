@@ -14,8 +14,9 @@ Liger (arXiv 2503.01496), with Performer's unbiased features ("Rethinking Attent
 The parallel form works on blocks of `window_size` tokens: the far keys of a query in block c are all keys of blocks
 up to c - 2 (a prefix sum of block sums) and those of block c - 1 at or before its own offset (a masked product),
 so memory is O(L·(window + sinks + m·d/window)). The far keys' features are scaled by one detached constant per
-sequence and head (it cancels exactly in the one normalisation). Causal decoders only; decoding keeps the window state of the
-"window" attention plus FAVOR+'s (S, z) over the keys that left the window, with a running maximum: bounded memory.
+sequence and head (it cancels exactly in the one normalisation). Causal decoders only; decoding keeps the window
+state of the "window" attention plus FAVOR+'s (S, z) over the keys that left the window, with a running maximum:
+bounded memory.
 """
 
 from __future__ import annotations

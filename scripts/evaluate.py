@@ -1,14 +1,22 @@
-"""Evaluate any saved or Hub checkpoint of the zoo: bits/dim (text and images), BLEU, or top-1 accuracy.
+"""Evaluate any saved or Hub checkpoint of the zoo: bits/dim (text and images), BLEU, top-1 accuracy, or any
+lm-evaluation-harness task (causal LMs; the optional extra: pip install 'attnzoo[lm-eval]').
 
     python scripts/evaluate.py --model_name_or_path runs/quickstart
     python scripts/evaluate.py --model_name_or_path runs/enwik8 --split test --data_dir data/enwik8
     accelerate launch scripts/evaluate.py --model_name_or_path user/attnzoo-wmt14 --num_beams 4
     python scripts/evaluate.py --model_name_or_path runs/deit --validation_dir data/imagenet/val
+    python scripts/evaluate.py --model_name_or_path runs/quickstart --lm_eval_tasks attnzoo_pydoc
+    python scripts/evaluate.py --model_name_or_path runs/gpt2-performer --lm_eval_tasks hellaswag,my_task \\
+        --include_path my_tasks/ --num_fewshot 0
 
 The task follows from the checkpoint (encoder-decoder: translation; image classifier: top-1; otherwise causal LM:
 bits/dim). Data arguments are those of the training script and default to the values the run was trained with
 (training_args.json beside the weights), so a run folder evaluates with no other argument; any data argument of the
 training script can be given to change them.
+
+--lm_eval_tasks runs lm-eval's `hf` model on the checkpoint instead, with tasks by name (lm-eval's own, attnzoo's
+attnzoo_pydoc_* tasks from attnzoo/evaluation/tasks, or those of --include_path folders), and writes the results into
+the model card (README.md of a local model folder, or --model_card FILE) beside the bits/dim or BLEU of training.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ TASK_SCRIPTS = {"lm": "train_lm", "translation": "train_translation",
 NOT_DATA = {"model_name_or_path", "model", "family", "output_dir", "resume_from_checkpoint", "push_to_hub",
             "hub_model_id", "hub_token", "recipe", "per_device_eval_batch_size", "max_eval_batches",
             "mixed_precision", "num_beams", "length_penalty", "max_train_steps", "report_to"}
+#: the lm-eval options and their defaults: given without --lm_eval_tasks they would do nothing, so that is an error
+LM_EVAL_OPTIONS = {"include_path": [], "num_fewshot": None, "lm_eval_limit": None, "lm_eval_model_args": "",
+                   "trust_remote_code": False, "model_card": "auto"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_beams", type=int, default=None, help="translation (default: generation_config)")
     parser.add_argument("--length_penalty", type=float, default=None)
     parser.add_argument("--output_file", default=None, help="also write the results as JSON here")
+    harness = parser.add_argument_group("lm-evaluation-harness (pip install 'attnzoo[lm-eval]')")
+    harness.add_argument("--lm_eval_tasks", default=None,
+                         help="comma-separated lm-eval tasks, groups, tags or YAML files (e.g. attnzoo_pydoc); runs "
+                              "lm-eval instead of the built-in metric (per_device_eval_batch_size is its batch size)")
+    harness.add_argument("--include_path", action="append", default=[],
+                         help="a folder of lm-eval task YAML files (repeatable); attnzoo's own tasks are always found")
+    harness.add_argument("--num_fewshot", type=int, default=None, help="default: each task's own (0 if unset)")
+    harness.add_argument("--lm_eval_limit", type=float, default=None,
+                         help="score only this many documents per task (below 1: this fraction); for quick checks")
+    harness.add_argument("--lm_eval_model_args", default="",
+                         help="more arguments of lm-eval's hf model, as its --model_args (e.g. dtype=bfloat16)")
+    harness.add_argument("--trust_remote_code", action="store_true",
+                         help="let lm-eval run the checkpoint's own code (not needed for attnzoo's families here)")
+    harness.add_argument("--model_card", default="auto",
+                         help="where lm-eval results go: 'auto' (README.md of a local model folder), a file, or "
+                              "'none'")
     return parser
 
 
@@ -141,13 +168,79 @@ def evaluate_image_classification(script, args, data, model, accelerator) -> dic
     return {"top1_accuracy": accuracy, "split": split, "num_images": len(dataset), "num_labels": len(names)}
 
 
+def model_card_path(args) -> Path | None:
+    """The card lm-eval results are written into: --model_card, or README.md of a local model folder (a Hub id has
+    none here: pass --model_card FILE)."""
+    if args.model_card == "none":
+        return None
+    if args.model_card != "auto":
+        return Path(args.model_card)
+    folder = Path(args.model_name_or_path)
+    return folder / "README.md" if folder.is_dir() else None
+
+
+def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
+    """lm-eval's `hf` model on the checkpoint: the results as rows, also written into the model card (None on the
+    processes other than the main one)."""
+    from attnzoo.evaluation import harness
+
+    version = harness.lm_eval_version()
+    from lm_eval.utils import simple_parse_args_string
+
+    if task != "lm":
+        raise ValueError(f"--lm_eval_tasks evaluates causal language models; {args.model_name_or_path} is a {task} "
+                         "model. Evaluate it without --lm_eval_tasks.")
+    if rest:
+        raise ValueError(f"{rest}: data arguments have no effect with --lm_eval_tasks (the tasks bring their data); "
+                         "drop them.")
+    tasks = [name.strip() for name in args.lm_eval_tasks.split(",") if name.strip()]
+    model_args = simple_parse_args_string(args.lm_eval_model_args)
+    folder = Path(args.model_name_or_path)
+    if folder.is_dir() and not (folder / "tokenizer_config.json").is_file() and "tokenizer" not in model_args:
+        raise ValueError(f"{folder} holds no tokenizer (a pixel LM has none), and lm-eval's tasks are text; pass one "
+                         "with --lm_eval_model_args tokenizer=NAME_OR_FOLDER.")
+    if args.trust_remote_code:
+        model_args["trust_remote_code"] = True
+    if args.mixed_precision != "no":
+        model_args.setdefault("mixed_precision_dtype", {"bf16": "bfloat16", "fp16": "float16"}[args.mixed_precision])
+    device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+    limit = args.lm_eval_limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)  # lm-eval reads a float as a fraction of the task
+    raw = harness.run(args.model_name_or_path, tasks, include_path=args.include_path,
+                      batch_size=args.per_device_eval_batch_size, num_fewshot=args.num_fewshot, limit=limit,
+                      device=device, model_args=model_args)
+    if raw is None:  # not the main process of a multi-process run: lm-eval reports on the main one
+        return None
+    rows = harness.summarize(raw)
+    card = model_card_path(args)
+    if card is not None:
+        from attnzoo.training.model_card import add_eval_results, lm_eval_results
+
+        add_eval_results(card, lm_eval_results(rows, version), model_name=Path(args.model_name_or_path).name)
+    return {"lm_eval": rows, "lm_eval_version": version, "model_card": str(card) if card else None,
+            "lm_eval_raw": {k: raw[k] for k in ("results", "n-shot", "n-samples", "versions", "config") if k in raw}}
+
+
 def main(argv=None) -> dict:
     args, rest = build_parser().parse_known_args(argv)
     if args.per_device_eval_batch_size < 1:
         raise ValueError(f"--per_device_eval_batch_size={args.per_device_eval_batch_size} must be positive.")
+    if args.lm_eval_tasks is not None:
+        from attnzoo.evaluation.harness import lm_eval_version
+
+        lm_eval_version()  # without the extra, say how to install it before loading anything
+    else:
+        given = [f"--{name}" for name, default in LM_EVAL_OPTIONS.items() if getattr(args, name) != default]
+        if given:
+            raise ValueError(f"{given} apply to lm-eval runs only: add --lm_eval_tasks TASKS, or drop them.")
     with reading_model_source(args.model_name_or_path):
         config = AutoConfig.from_pretrained(args.model_name_or_path)
     task = detect_task(config) if args.task == "auto" else args.task
+    if args.lm_eval_tasks is not None:
+        found = evaluate_lm_eval(args, task, rest)
+        return report({"model": args.model_name_or_path, "task": "lm_eval", **(found or {})}, args,
+                      main_process=found is not None)
     script = load_script(TASK_SCRIPTS[task])
     data = data_arguments(script, args.model_name_or_path, rest)
     accelerator = Accelerator(cpu=not torch.accelerator.is_available(), mixed_precision=args.mixed_precision)
@@ -161,11 +254,16 @@ def main(argv=None) -> dict:
                 "image_classification": evaluate_image_classification}[task]
     results = {"model": args.model_name_or_path, "task": task, "split": args.split,
                **evaluate(script, args, data, model, accelerator)}
-    if accelerator.is_main_process:
-        shown = {k: v for k, v in results.items() if k != "all_bleu"}
+    return report(results, args, accelerator.is_main_process)
+
+
+def report(results: dict, args, main_process: bool) -> dict:
+    """Print the results (without the long ones) and write them all to --output_file, on the main process."""
+    if main_process:
+        shown = {k: v for k, v in results.items() if k not in ("all_bleu", "lm_eval_raw")}
         print(json.dumps(shown, indent=2))
         if args.output_file:
-            Path(args.output_file).write_text(json.dumps(results, indent=2))
+            Path(args.output_file).write_text(json.dumps(results, indent=2, default=str))
     return results
 
 

@@ -100,3 +100,77 @@ def top1_result(value: float, dataset_name: str, dataset_type: str, split: str) 
     return EvalResult(task_type="image-classification", task_name="Image Classification", dataset_type=dataset_type,
                       dataset_name=dataset_name, dataset_split=split, metric_type="accuracy",
                       metric_name="top-1 accuracy", metric_value=round(float(value), 4))
+
+
+#: where lm-eval results come from (`source` of their model-index entries; the card's lm-eval table lists these)
+LM_EVAL_SOURCE = ("lm-evaluation-harness", "https://github.com/EleutherAI/lm-evaluation-harness")
+# The card's lm-eval section sits between these lines, so a later evaluation rewrites it and leaves the rest alone.
+LM_EVAL_BEGIN = "<!-- lm-eval results: scripts/evaluate.py rewrites this section -->"
+LM_EVAL_END = "<!-- end of lm-eval results -->"
+
+
+def lm_eval_results(rows: list[dict], lm_eval_version: str) -> list[EvalResult]:
+    """One EvalResult per row of `attnzoo.evaluation.harness.summarize`: the task as data set (lm-eval's data set id
+    as its type), the metric (with its filter when there is one), and as `metric_config` what makes the number
+    reproducible: lm-eval's version, the shots, how many of the task's documents were scored, the standard error."""
+    results = []
+    for row in rows:
+        settings = [f"lm-eval {lm_eval_version}", f"{row['num_fewshot'] or 0}-shot"]
+        if row.get("samples") is not None:
+            settings.append(f"{row['samples']} of {row.get('task_samples') or row['samples']} documents")
+        if row.get("stderr") is not None:
+            settings.append(f"stderr {row['stderr']:.4g}")
+        metric_name = row["metric"] if row["filter"] == "none" else f"{row['metric']} ({row['filter']})"
+        results.append(EvalResult(task_type="text-generation", task_name=row["task"], dataset_type=row["dataset"],
+                                  dataset_name=row["task"], dataset_split=row.get("split"),
+                                  metric_type=row["metric"], metric_name=metric_name,
+                                  metric_value=round(float(row["value"]), 4), metric_config=", ".join(settings),
+                                  source_name=LM_EVAL_SOURCE[0], source_url=LM_EVAL_SOURCE[1]))
+    return results
+
+
+def _result_key(result: EvalResult) -> tuple:
+    return (result.task_type, result.dataset_type, result.dataset_name, result.dataset_config, result.dataset_split,
+            result.metric_type, result.metric_name)
+
+
+def lm_eval_section(eval_results: list[EvalResult]) -> str:
+    """The card's lm-eval table: every result the card holds from lm-eval, by task."""
+    rows = sorted((r for r in eval_results if r.source_name == LM_EVAL_SOURCE[0]),
+                  key=lambda r: (r.dataset_name, r.metric_name or r.metric_type))
+    lines = [LM_EVAL_BEGIN, "## lm-evaluation-harness", "",
+             "Measured with [lm-evaluation-harness](https://github.com/EleutherAI/lm-evaluation-harness) through "
+             "`scripts/evaluate.py --lm_eval_tasks` (see docs/evaluation.md).", "",
+             "| task | metric | value | split | settings |", "|---|---|---|---|---|"]
+    lines += [f"| {r.dataset_name} | {r.metric_name or r.metric_type} | {r.metric_value} | {r.dataset_split or ''} | "
+              f"{r.metric_config or ''} |" for r in rows]
+    return "\n".join([*lines, LM_EVAL_END])
+
+
+def add_eval_results(card_path: str | Path, eval_results: list[EvalResult], model_name: str) -> ModelCard:
+    """Write `eval_results` into the model card at `card_path` (a new card when there is none): they join its
+    `model-index` results (bits/dim, BLEU, ...), replacing earlier ones of the same task, data set, split and
+    metric, and the card's lm-eval section is rebuilt from all the lm-eval results it then holds."""
+    path = Path(card_path)
+    if path.is_file():
+        card = ModelCard.load(path)
+    else:
+        card = ModelCard(f"---\n{ModelCardData(library_name='transformers', tags=['attnzoo']).to_yaml()}\n---\n\n"
+                         f"# {model_name}\n")
+    new_keys = {_result_key(r) for r in eval_results}
+    kept = [r for r in (card.data.eval_results or []) if _result_key(r) not in new_keys]
+    card.data.eval_results = kept + list(eval_results)
+    card.data.model_name = card.data.model_name or model_name
+    section = lm_eval_section(card.data.eval_results)
+    text = card.text
+    if LM_EVAL_BEGIN in text and LM_EVAL_END in text:
+        before, rest = text.split(LM_EVAL_BEGIN, 1)
+        text = before + section + rest.split(LM_EVAL_END, 1)[1]
+    elif "\n## How to use" in text:  # the templates' order: results first, then usage
+        before, after = text.split("\n## How to use", 1)
+        text = f"{before.rstrip()}\n\n{section}\n\n## How to use{after}"
+    else:
+        text = f"{text.rstrip()}\n\n{section}\n"
+    card.text = text
+    card.save(path)
+    return card

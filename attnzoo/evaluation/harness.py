@@ -1,0 +1,119 @@
+"""Run EleutherAI's lm-evaluation-harness on a checkpoint of the zoo, and flatten what it reports into one row per
+(task, metric, filter) for the model card and JSON.
+
+lm-eval is an optional extra (`pip install 'attnzoo[lm-eval]'`); this module imports it only when called, so attnzoo
+works without it. The model is lm-eval's own `hf` model (`HFLM`), loading the checkpoint by its path or Hub id as
+`lm_eval --model hf --model_args pretrained=...` does, so the numbers are the ones anyone gets from the command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import math
+from pathlib import Path
+
+#: the task folder that ships with attnzoo (always searched, before any --include_path)
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+#: the tasks in it (a tag of the same name runs all three)
+LOCAL_TASKS = ("attnzoo_pydoc_perplexity", "attnzoo_pydoc_endings", "attnzoo_pydoc_next_word")
+LOCAL_TAG = "attnzoo_pydoc"
+#: the oldest lm-eval the tests ran with (pyproject's `lm-eval` extra has the same lower bound)
+MIN_LM_EVAL_VERSION = (0, 4, 13)
+INSTALL_HINT = "pip install 'attnzoo[lm-eval]'"
+
+
+def lm_eval_version() -> str:
+    """The installed lm-eval's version; an error naming the extra when it is missing or older than the tested one."""
+    try:
+        import lm_eval  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name != "lm_eval":  # lm-eval is there but one of its own imports is not: say which
+            raise
+        raise ModuleNotFoundError(f"lm-evaluation-harness (the lm_eval package) is not installed; it is an optional "
+                                  f"extra of attnzoo: {INSTALL_HINT}", name="lm_eval") from error
+    version = importlib.metadata.version("lm_eval")
+    numbers = tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+    if numbers < MIN_LM_EVAL_VERSION:
+        raise ImportError(f"lm_eval {version} is older than {'.'.join(map(str, MIN_LM_EVAL_VERSION))}, the oldest "
+                          f"attnzoo is tested with: {INSTALL_HINT} --upgrade")
+    return version
+
+
+def task_manager(tasks: list[str], include_path: list[str | Path] = ()):
+    """An lm-eval `TaskManager` that finds attnzoo's task folder, the `include_path` folders and, only when some
+    task is not among those, lm-eval's own tasks (indexing its ~15,000 YAML files takes seconds). Unknown names
+    raise ValueError with the nearest known ones."""
+    from lm_eval.tasks import TaskManager
+
+    folders = [TASKS_DIR, *(Path(p) for p in include_path)]
+    missing = [str(p) for p in folders if not Path(p).is_dir()]
+    if missing:
+        raise ValueError(f"--include_path {missing}: no such folder; pass folders that hold lm-eval task YAML files.")
+    local = TaskManager(include_path=[str(p) for p in folders], include_defaults=False)
+    if all(_known(local, name) for name in tasks):
+        return local
+    manager = TaskManager(include_path=[str(p) for p in folders])
+    unknown = [name for name in tasks if not _known(manager, name)]
+    if unknown:
+        hints = {name: difflib.get_close_matches(name, manager.all_tasks, n=3) for name in unknown}
+        raise ValueError(f"--lm_eval_tasks {unknown}: not lm-eval task, group or tag names (nearest: {hints}) nor YAML "
+                         "files; `lm_eval ls tasks` lists them, and --include_path adds task folders.")
+    return manager
+
+
+def _known(manager, name: str) -> bool:
+    return name in manager.all_tasks or (name.endswith((".yaml", ".yml")) and Path(name).is_file())
+
+
+def run(model_name_or_path: str | Path, tasks: list[str], *, include_path: list[str | Path] = (), batch_size=1,
+        num_fewshot: int | None = None, limit: float | None = None, device: str = "cpu",
+        model_args: dict | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000) -> dict | None:
+    """lm-eval's results dict for `tasks` (names, tags, groups or YAML files), or None on the processes other than
+    the main one under `accelerate launch` (lm-eval splits the requests across them). `model_args` go to lm-eval's
+    `hf` model as `--model_args` do (e.g. trust_remote_code, dtype, mixed_precision_dtype, max_length)."""
+    lm_eval_version()
+    from lm_eval import simple_evaluate
+
+    if not tasks:
+        raise ValueError("--lm_eval_tasks is empty: name at least one task, e.g. attnzoo_pydoc.")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"--lm_eval_limit={limit} must be positive (a count of documents, or a fraction below 1).")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch size {batch_size!r} must be a positive integer or 'auto'.")
+    manager = task_manager(list(tasks), list(include_path))
+    return simple_evaluate(model="hf", model_args={"pretrained": str(model_name_or_path), **(model_args or {})},
+                           tasks=list(tasks), task_manager=manager, batch_size=batch_size, num_fewshot=num_fewshot,
+                           limit=limit, device=device, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+
+
+def _number(value) -> float | None:
+    """A metric value as a float; lm-eval writes "N/A" for a standard error it did not compute."""
+    if isinstance(value, str):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def summarize(results: dict) -> list[dict]:
+    """One row per (task, metric, filter) of lm-eval's results: value, standard error (None where lm-eval computed
+    none), the number of documents scored and of the task, the few-shot count, the task's version and data set."""
+    rows = []
+    for task, metrics in results["results"].items():
+        config = results.get("configs", {}).get(task, {})
+        counts = results.get("n-samples", {}).get(task, {})
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key:
+                continue  # name, alias, sample_len; standard errors go with their metric
+            metric, filter_name = key.split(",", 1)
+            if _number(value) is None:
+                continue
+            rows.append({
+                "task": task, "metric": metric, "filter": filter_name, "value": _number(value),
+                "stderr": _number(metrics.get(f"{metric}_stderr,{filter_name}", "N/A")),
+                "num_fewshot": results.get("n-shot", {}).get(task), "samples": counts.get("effective"),
+                "task_samples": counts.get("original"), "version": results.get("versions", {}).get(task),
+                "dataset": config.get("dataset_path") or task,
+                "split": config.get("test_split") or config.get("validation_split"),
+            })
+    return rows

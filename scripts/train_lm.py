@@ -13,6 +13,11 @@ Three kinds of data (--corpus):
     accelerate launch scripts/train_lm.py --recipe recipes/quickstart_lm.yaml --output_dir runs/quickstart
     accelerate launch scripts/train_lm.py --recipe recipes/reformer_enwik8.yaml --data_dir data/enwik8
 
+Fine-tuning a checkpoint (--model_name_or_path) trains every weight, or, with --lora_r, LoRA adapters through peft
+(`pip install 'attnzoo[peft]'`) that are merged into the weights at the end (docs/attention_transfer.md):
+
+    accelerate launch scripts/train_lm.py --model_name_or_path converted --lora_r 8 --lora_alpha 16 --output_dir tuned
+
 The output folder loads with `AutoModelForCausalLM.from_pretrained` (and `AutoTokenizer` for text).
 """
 
@@ -47,6 +52,16 @@ from attnzoo.training.loop import (
     train_loader,
     training_record,
     training_step,
+)
+from attnzoo.training.lora import (
+    add_lora,
+    add_lora_arguments,
+    check_lora_arguments,
+    check_resumed_lora,
+    lora_enabled,
+    merge_lora,
+    record_lora_settings,
+    trainable_parameters,
 )
 from attnzoo.training.metrics import evaluate_bits_per_dim
 from attnzoo.training.model_card import bits_per_dim_result, build_model_card
@@ -92,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     sample = parser.add_argument_group("sample")
     sample.add_argument("--sample_prompt", default="The ")
     sample.add_argument("--sample_tokens", type=int, default=120, help="text: greedy sample at the end (0: none)")
+    add_lora_arguments(parser)
     add_training_arguments(parser, per_device_train_batch_size=16, per_device_eval_batch_size=16,
                            learning_rate=1e-3, num_warmup_steps=50, max_train_steps=500, output_dir="runs/lm")
     return parser
@@ -106,6 +122,7 @@ def check_arguments(args) -> None:
                          "is a loading script that datasets >= 4 refuses. Drop --dataset_name.")
     if args.train_stride < 0:
         raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
+    check_lora_arguments(args)
 
 
 def load_tokenizer(args):
@@ -147,6 +164,7 @@ def build_model(args, sequence_length: int, vocab_size: int, tokenizer=None):
 def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
     check_arguments(args)
+    check_resumed_lora(args)
     output_dir = Path(args.output_dir)
     accelerator = build_accelerator(args, "train_lm")
     set_seed(args.seed)
@@ -159,12 +177,17 @@ def main(argv=None):
     if model.config.max_position_embeddings < sequence_length:
         raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
                          f"{model.config.max_position_embeddings}; lower --block_size.")
+    if lora_enabled(args):  # before the optimizer is built: it takes the parameters that train, the adapters
+        model = add_lora(model, args)
 
     heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
     run = prepare_run(accelerator, args, model, train_loader(train_set, args.per_device_train_batch_size, args.seed),
                       "train_lm")
+    record_lora_settings(accelerator, args)
     model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
     step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
+    if lora_enabled(args):
+        accelerator.print(f"LoRA r={args.lora_r}: {trainable_parameters(model):,} trainable adapter parameters")
     accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} training sequences of {sequence_length} "
                       f"tokens, {len(heldout_set)} held-out, {max_steps} steps, {accelerator.num_processes} "
                       "process(es)")
@@ -208,8 +231,14 @@ def main(argv=None):
     if args.corpus == "imagenet64":
         results["image_size"] = args.image_size
     accelerator.log({k: v for k, v in results.items() if k.endswith("bits_per_dim")}, step=step)
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if lora_enabled(args):  # the saved model is a plain checkpoint: the adapters merged into the weights
+        results["lora_trainable_parameters"] = trainable_parameters(plain_model)
+        model = plain_model = merge_lora(plain_model)
+        results["num_parameters"] = sum(p.numel() for p in plain_model.parameters())
+        results["lora"] = {"r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r,
+                           "dropout": args.lora_dropout or 0.0, "target_modules": args.lora_target_modules}
     if tokenizer is not None:
-        plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
         tokenizer.model_max_length = plain_model.config.max_position_embeddings
     unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")  # also right for fine-tuning

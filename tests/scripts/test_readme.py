@@ -39,8 +39,8 @@ def test_every_readme_code_block_runs(tmp_path):
     for folder in ("scripts", "recipes"):  # the commands name them relative to the checkout
         (tmp_path / folder).symlink_to(ROOT / folder)
     blocks = code_blocks()
-    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash"]
-    main_job, tests, load, new_model, fine_tune = (code for _, code in blocks)
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash"]
+    main_job, tests, load, new_model, fine_tune, open_llm = (code for _, code in blocks)
 
     commands = [c for c in main_job.strip().split(" && ") if not c.startswith("pip install")]
     assert main_job.startswith('pip install -e ".[vision,dev]" && ') and len(commands) == 1
@@ -63,3 +63,26 @@ def test_every_readme_code_block_runs(tmp_path):
     for line in fine_tune.strip().splitlines():
         run_command(line, tmp_path)
     assert (tmp_path / "runs" / "my-lm" / "config.json").is_file()
+
+    # The open-LLM path: the Hub id names a folder here (from_pretrained reads a local folder of that name first),
+    # holding a tiny Llama with grouped-query heads and the byte-level tokenizer; nothing reaches the Hub.
+    source = open_llm.split()[3]
+    save_tiny_llama(tmp_path / source)
+    for line in open_llm.strip().splitlines():
+        run_command(line, tmp_path)
+    card = (tmp_path / "runs" / "smollm-favor-finetuned" / "README.md").read_text()
+    assert "attnzoo_pydoc" in card
+
+
+def save_tiny_llama(folder: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.tokenization import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=261, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    byte_level_tokenizer(model_max_length=256).save_pretrained(folder)

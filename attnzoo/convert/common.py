@@ -15,6 +15,7 @@ keep the initialisation of their module, except where `init_attention_extras` se
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import tempfile
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from attnzoo.registration import FAMILY_CONFIGS
+
+logger = logging.getLogger(__name__)
 
 FAMILIES = tuple(FAMILY_CONFIGS)  # the registered families (attnzoo/__init__.py)
 
@@ -208,3 +211,35 @@ def seeded(seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def load_text_tokenizer(src: str):
+    """SRC's tokenizer, to travel with the converted model, or None (with a warning) when SRC has none."""
+    from transformers import AutoTokenizer
+
+    import attnzoo  # noqa: F401  (a zoo checkpoint's tokenizer config may name zoo classes)
+
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as error:  # weights without a tokenizer beside them
+        logger.warning("no tokenizer copied from %s: %s", src, error)
+        return None
+
+
+def text_converter_main(module_doc: str, prog: str, src_help: str, load_source, convert, argv=None) -> None:
+    """The command line of a text-model converter: `prog SRC DST --family F [--config ...] [--seed N]`. DST is checked
+    and the source loaded and converted before anything is written; the tokenizer travels with the model."""
+    parser = argparse.ArgumentParser(prog=prog, description=module_doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=module_doc.split("\n\n", 2)[2])
+    parser.add_argument("src", help=src_help)
+    add_converter_arguments(parser)
+    args = parser.parse_args(argv)
+    check_destination(args.dst)
+    overrides = parse_overrides(args.config)
+    source = load_source(args.src)
+    report = ConversionReport()
+    model = convert(source, args.family, overrides, args.seed, report)
+    save_converted(model, args.dst, [load_text_tokenizer(args.src)])
+    print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.dst}; "
+          f"{report.summary()}")

@@ -48,7 +48,6 @@ the mask that way itself, so padded batches decode alike.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 
@@ -58,15 +57,13 @@ from attnzoo.configuration.base import HIDDEN_ACTIVATIONS
 from attnzoo.configuration.rope import ROPE_SCALING_TYPES, rope_scaling_type
 from attnzoo.convert.common import (
     ConversionReport,
-    add_converter_arguments,
     attention_weights,
     build_config,
-    check_destination,
     init_attention_extras,
     load_converted,
-    parse_overrides,
-    save_converted,
+    load_text_tokenizer,
     seeded,
+    text_converter_main,
 )
 
 logger = logging.getLogger(__name__)
@@ -349,32 +346,13 @@ def load_source(src: str):
 
 
 def load_tokenizer(src: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError) as error:  # weights without a tokenizer beside them
-        logger.warning("no tokenizer copied from %s: %s", src, error)
-        return None
+    return load_text_tokenizer(src)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m attnzoo.convert.llama", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 2)[2])
-    parser.add_argument("src", help="LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (or ...Model) "
-                                    "checkpoint: a folder or a Hub id")
-    add_converter_arguments(parser)
-    args = parser.parse_args(argv)
-    check_destination(args.dst)
-    overrides = parse_overrides(args.config)
-    source = load_source(args.src)
-    report = ConversionReport()
-    model = convert(source, args.family, overrides, args.seed, report)
-    tokenizer = load_tokenizer(args.src)
-    save_converted(model, args.dst, [tokenizer])
-    print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.dst}; "
-          f"{report.summary()}")
+    text_converter_main(__doc__, "python -m attnzoo.convert.llama",
+                        "LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (or ...Model) checkpoint: a folder "
+                        "or a Hub id", load_source, convert, argv)
 
 
 if __name__ == "__main__":

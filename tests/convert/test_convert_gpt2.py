@@ -16,7 +16,8 @@ from attnzoo.tokenization import byte_level_tokenizer
 
 VOCAB = 256
 FAMILY_OPTIONS = {"softmax": {}, "performer": {"num_random_features": 32}, "ra": {},
-                  "lara": {"lara_chunk_size": 8}, "reformer": {"lsh_chunk_length": 8, "local_chunk_length": 8}}
+                  "lara": {"lara_chunk_size": 8}, "reformer": {"lsh_chunk_length": 8, "local_chunk_length": 8},
+                  "hybrid": {"num_random_features": 32}, "window": {"window_size": 8, "num_sink_tokens": 2}}
 
 
 def tiny_config(**overrides) -> GPT2Config:

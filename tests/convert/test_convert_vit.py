@@ -22,7 +22,8 @@ from attnzoo.convert.common import FAMILIES, ConversionReport  # noqa: E402
 
 TINY = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=5)
 FAMILY_OPTIONS = {"softmax": {}, "performer": {"num_random_features": 32}, "ra": {},
-                  "lara": {"lara_num_samples": 4}, "reformer": {"lsh_chunk_length": 8, "local_chunk_length": 8}}
+                  "lara": {"lara_num_samples": 4}, "reformer": {"lsh_chunk_length": 8, "local_chunk_length": 8},
+                  "hybrid": {"num_random_features": 32}, "window": {"window_size": 8, "num_sink_tokens": 2}}
 
 
 def tiny_vit(name="vit_tiny_patch16_224", seed=0, peaked=1.0, dtype=torch.float64, **overrides):

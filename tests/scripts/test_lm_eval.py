@@ -39,8 +39,10 @@ ATTENTION = {
     "performer": {"num_random_features": 16, "linear_attention_chunk_size": 16},
     "ra": {},
     "lara": {"lara_num_samples": 4, "lara_chunk_size": 8},
-    "hybrid": {"attn_layers": ["favor", "lsh", "local", "full"], "num_hidden_layers": 4, "lsh_chunk_length": 8,
-               "local_chunk_length": 8, "num_random_features": 16, "linear_attention_chunk_size": 16},
+    # windowed FAVOR+ (the plain one is the performer family's), LSH, local and softmax layers in one model
+    "hybrid": {"attn_layers": ["favor_window", "lsh", "local", "full"], "num_hidden_layers": 4, "lsh_chunk_length": 8,
+               "local_chunk_length": 8, "num_random_features": 16, "linear_attention_chunk_size": 16,
+               "window_size": 16, "num_sink_tokens": 2},
     "window": {"window_size": 16, "num_sink_tokens": 2},
 }
 LIMIT = 6  # documents per task
@@ -296,7 +298,7 @@ def fresh_env(tmp_path: Path) -> dict:
 
 @needs_lm_eval
 @pytest.mark.parametrize("families", [
-    pytest.param(["hybrid"], id="hybrid"),  # FAVOR+, LSH, local and softmax layers in one model
+    pytest.param(["hybrid"], id="hybrid"),  # windowed FAVOR+, LSH, local and softmax layers in one model
     pytest.param([f for f in FAMILIES if f != "hybrid"], id="every-family", marks=slow)])
 def test_a_process_without_attnzoo_scores_the_same(tmp_path, checkpoint, local_tasks, families):
     """lm-eval with trust_remote_code=True in a process where attnzoo cannot be imported (the checkpoint's own

@@ -172,3 +172,19 @@ def test_a_checkpoint_saved_before_these_options_loads_with_the_same_logits(tmp_
     ids = torch.randint(0, 41, (2, 10))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_an_attention_without_position_ids_is_refused_in_a_rotary_model():
+    from attnzoo.modeling.attention import ATTENTION_REGISTRY, ZooAttention, register_attention
+
+    @register_attention("test_positionless")
+    class Positionless(ZooAttention):
+        def forward(self, hidden_states, attention_mask=None, cache=None):
+            return hidden_states
+
+    try:
+        with pytest.raises(ValueError, match=r"takes no position_ids.*docs/adding_an_attention.md"):
+            ZooHybridForCausalLM(hybrid_config(attn_layers=["test_positionless"]))
+        ZooHybridForCausalLM(hybrid_config(attn_layers=["test_positionless"], position_embedding_type="learned"))
+    finally:
+        del ATTENTION_REGISTRY["test_positionless"]

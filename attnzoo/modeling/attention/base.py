@@ -47,6 +47,7 @@ decorate it with `@register_attention("name")`. Inside the package, put the file
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -81,6 +82,12 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
     if cls.family_config not in {c.__name__ for c in type(config).__mro__}:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: attention {kind!r} reads "
                          f"the fields of attnzoo.{cls.family_config}; build the model with that config class.")
+    if getattr(config, "position_embedding_type", None) == "rotary" and \
+            "position_ids" not in inspect.signature(cls.forward).parameters:
+        raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
+                         f"position_embedding_type='rotary': attention {kind!r} ({cls.__name__}.forward) takes no "
+                         "position_ids, so it cannot rotate its queries and keys; add a `position_ids=None` keyword "
+                         "and rotate q and k (docs/adding_an_attention.md), or use another position_embedding_type.")
     return cls(config, layer_idx, causal)
 
 

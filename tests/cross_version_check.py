@@ -25,6 +25,11 @@ FAMILIES = {
     "ra": {},
     "lara": {},
     "reformer": {"attn_layers": ["local", "lsh"], "lsh_chunk_length": 8, "local_chunk_length": 4},
+    "window": {"window_size": 4, "num_sink_tokens": 2},
+    # Llama layers (rotary positions, grouped heads, RMSNorm, SwiGLU) with windowed FAVOR+ and softmax layers
+    "hybrid": {"attn_layers": ["favor_window", "full"], "window_size": 4, "num_sink_tokens": 2,
+               "position_embedding_type": "rotary", "num_key_value_heads": 1, "norm_type": "rmsnorm",
+               "mlp_type": "gated", "hidden_act": "silu", "mlp_bias": False, "attention_bias": False},
 }
 SIZES = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=64, pad_token_id=0, eos_token_id=None)

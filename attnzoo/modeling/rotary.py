@@ -31,7 +31,7 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.rope_theta, self.rope_scaling = config.rope_theta, config.rope_scaling
         # Not persistent: the table follows from the config, so checkpoints stay as they are. A model built on the
-        # meta device gets it back from `_init_weights` (`reset_table`).
+        # meta device gets it back from `_init_weights`, which copies `table()` into it.
         self.register_buffer("inv_freq", self.table(), persistent=False)
 
     def table(self) -> torch.Tensor:

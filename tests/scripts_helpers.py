@@ -189,3 +189,19 @@ def launch(script: str, argv: list, num_processes: int = 1, env: dict | None = N
     assert done.returncode == 0, (f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
                                   f"stderr:\n{done.stderr[-5000:]}")
     return done
+
+
+def save_tiny_llama(folder: Path, layers: int = 2, positions: int = 256) -> Path:
+    """A tiny transformers LlamaForCausalLM (4 query heads sharing 2 key/value heads, rotary positions) with
+    attnzoo's byte-level tokenizer, saved as a user's source checkpoint would be."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.tokenization import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=261, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    byte_level_tokenizer(model_max_length=positions).save_pretrained(folder)
+    return folder

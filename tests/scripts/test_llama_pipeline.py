@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.scripts_helpers import ROOT, launch, script_env
+from tests.scripts_helpers import ROOT, launch, save_tiny_llama, script_env
 
 pytestmark = pytest.mark.slow
 
@@ -32,23 +32,10 @@ print(json.dumps({"class": type(model).__name__, "tokens": out[0].tolist(),
 """
 
 
-def save_llama_source(folder):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from attnzoo.tokenization import byte_level_tokenizer
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=261, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    byte_level_tokenizer(model_max_length=64).save_pretrained(folder)
-
-
 def test_convert_transfer_finetune_with_lora_and_load_in_a_fresh_process(tmp_path):
     source, converted = tmp_path / "source", tmp_path / "converted"
     transferred, finetuned = tmp_path / "transferred", tmp_path / "finetuned"
-    save_llama_source(source)
+    save_tiny_llama(source, layers=3, positions=64)
     env = script_env()
     subprocess.run([sys.executable, "-m", "attnzoo.convert.llama", source, converted, "--family", "hybrid",
                     "--config", "attn_layers=[favor,favor_window,full]", "feature_redraw=learned",

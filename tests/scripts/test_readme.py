@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts_helpers import ROOT, script_env
+from tests.scripts_helpers import ROOT, save_tiny_llama, script_env
 
 README = ROOT / "README.md"
 SHORT_RUN = ["--max_train_steps", "3"]
@@ -73,16 +73,3 @@ def test_every_readme_code_block_runs(tmp_path):
     card = (tmp_path / "runs" / "smollm-favor-finetuned" / "README.md").read_text()
     assert "attnzoo_pydoc" in card
 
-
-def save_tiny_llama(folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from attnzoo.tokenization import byte_level_tokenizer
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=261, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    byte_level_tokenizer(model_max_length=256).save_pretrained(folder)

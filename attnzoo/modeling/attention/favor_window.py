@@ -29,10 +29,10 @@ from attnzoo.modeling.attention.base import check_attention_mask, register_atten
 from attnzoo.modeling.attention.favor import FavorAttention
 from attnzoo.modeling.attention.random_features import log_positive_features
 from attnzoo.modeling.attention.window import (
-    SlidingWindowAttention,
     WindowStateLayer,
     gather_tokens,
     left_align,
+    new_token_inputs,
     restore_order,
     window_scores,
 )
@@ -57,15 +57,11 @@ class WindowedFavorAttention(FavorAttention):
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def new_cache_layer(self):
-        return WindowStateLayer()
+        return WindowStateLayer(self.window, self.sinks)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer = self.cache_slot(cache)
-        batch, length, _ = hidden_states.shape
-        past = layer.get_seq_length() if layer is not None else 0
-        key_mask = check_attention_mask(attention_mask, batch, past + length)
-        valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                         device=hidden_states.device)
+        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
+        length = hidden_states.shape[1]
         q, k, v = self._grouped_heads(hidden_states, position_ids, past)
         projection = self.projection(layer)
         if layer is not None and layer.state:
@@ -145,7 +141,7 @@ class WindowedFavorAttention(FavorAttention):
         """The window state (sinks and the last `window_size` tokens with their key/value heads, as the "window"
         attention keeps them) and FAVOR+'s sums over the far keys of the next token, per query head: positions
         sinks .. n_real - window - 1."""
-        SlidingWindowAttention._start_state(self, layer, k, v, n_real)
+        layer.start(k, v, n_real)
         position = torch.arange(k.shape[2], device=k.device)
         gone = (position[None, :] >= self.sinks) & (position[None, :] < (n_real - self.window)[:, None])
         log_k = log_k.masked_fill(~gone[:, None, :, None], float("-inf"))
@@ -170,9 +166,10 @@ class WindowedFavorAttention(FavorAttention):
         kv_sum = state["kv_sum"] * rescale[..., None, None] + phi_k[..., None] * self.expand_kv(leaving_v)
         key_sum = state["key_sum"] * rescale[..., None] + phi_k
         state.update(kv_sum=kv_sum, key_sum=key_sum, key_max=k_max)
-        # the window part: the "window" attention's update and scores
-        SlidingWindowAttention._step_update(self, k, v, real, layer)
-        keys, values, allowed = SlidingWindowAttention._step_keys(self, layer, position, q.device)
+        # the window part, as the "window" attention keeps and reads it
+        layer.append(k, v, real)
+        keys, values, allowed = layer.visible(position)
+        keys, values = self.expand_kv(keys), self.expand_kv(values)
         scores = (q @ keys.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0])
         log_q = self._log_features(q, projection)  # [B, H, 1, m]

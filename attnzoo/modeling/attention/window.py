@@ -90,6 +90,72 @@ class WindowStateLayer(RecurrentStateLayer):
     validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
     and the number of real tokens seen per row [B]. Its size does not grow with the context."""
 
+    def __init__(self, window: int, sinks: int):
+        super().__init__()
+        self.window, self.sinks = window, sinks
+
+    def start(self, k, v, n_real) -> None:
+        """The state after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
+        sinks = the first S real tokens, window = the last W real tokens of each row."""
+        batch, kv_heads, length, dim = k.shape
+        device = k.device
+        sink_index = torch.arange(self.sinks, device=device)
+        sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
+        window_index = n_real[:, None] - self.window + torch.arange(self.window, device=device)[None]  # [B, W]
+        window_take = window_index.clamp(0, max(length - 1, 0))
+
+        def take(x, index):
+            return x.gather(2, index[:, None, :, None].expand(batch, kv_heads, index.shape[1], dim))
+
+        self.store(length, sink_k=take(k, sink_take), sink_v=take(v, sink_take),
+                   sink_valid=sink_index[None] < n_real[:, None],
+                   window_k=take(k, window_take), window_v=take(v, window_take),
+                   window_pos=torch.where(window_index >= 0, window_index, -1), count=n_real.clone())
+
+    def append(self, k, v, real) -> None:
+        """One new token per row (k, v [B, kv_heads, 1, d]), written when `real` [B]: into its sink slot while fewer
+        than S tokens were seen, and into the ring (the oldest token leaves). Padded tokens change nothing."""
+        state = self.state
+        position = state["count"]
+        gate = real[:, None, None, None]
+        if self.sinks:
+            slot = (torch.arange(self.sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
+            state["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
+            state["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
+            state["sink_valid"] = state["sink_valid"] | slot
+        state["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
+        state["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
+        state["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]],
+                                                                   1), state["window_pos"])
+        state["count"] = position + real.long()
+        self.length += 1
+
+    def visible(self, position):
+        """(keys, values [B, kv_heads, S + W, d], allowed [B, S + W]) that a token at `position` [B] attends to: the
+        sinks outside its window, and the ring."""
+        state = self.state
+        device = position.device
+        sink_allowed = state["sink_valid"] & (torch.arange(self.sinks, device=device)[None]
+                                              <= (position - self.window)[:, None])
+        allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
+        allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
+        return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
+                allowed)
+
+
+def new_token_inputs(module, hidden_states, attention_mask, cache):
+    """(this layer's cache slot or None, the number of cached tokens, the validity [B, L] of the new tokens) for a
+    causal window layer; a cache in a bidirectional layer is refused."""
+    layer = module.cache_slot(cache)
+    if layer is not None and not module.causal:
+        raise ValueError("a cache is only used by causal (decoder) attention.")
+    batch, length, _ = hidden_states.shape
+    past = layer.get_seq_length() if layer is not None else 0
+    key_mask = check_attention_mask(attention_mask, batch, past + length)
+    valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                     device=hidden_states.device)
+    return layer, past, valid
+
 
 @register_attention("window")
 class SlidingWindowAttention(ZooAttention):
@@ -105,7 +171,7 @@ class SlidingWindowAttention(ZooAttention):
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def new_cache_layer(self):
-        return WindowStateLayer()
+        return WindowStateLayer(self.window, self.sinks)
 
     def _project(self, hidden_states, position_ids, past):
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -113,14 +179,8 @@ class SlidingWindowAttention(ZooAttention):
         return self.rotate(q, rotation), self.rotate(k, rotation), v
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer = self.cache_slot(cache)
-        if layer is not None and not self.causal:
-            raise ValueError("a cache is only used by causal (decoder) attention.")
-        batch, length, _ = hidden_states.shape
-        past = layer.get_seq_length() if layer is not None else 0
-        key_mask = check_attention_mask(attention_mask, batch, past + length)
-        valid = key_mask[:, past:] if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                         device=hidden_states.device)
+        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
+        length = hidden_states.shape[1]
         q, k, v = self._project(hidden_states, position_ids, past)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
@@ -137,7 +197,7 @@ class SlidingWindowAttention(ZooAttention):
         q, k, v = gather_tokens(q, order), gather_tokens(k, order), gather_tokens(v, order)
         n_real = valid.sum(-1)
         if layer is not None:
-            self._start_state(layer, k, v, n_real)
+            layer.start(k, v, n_real)
         scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window, self.sinks,
                                        self.causal, self.scale)
         probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
@@ -145,63 +205,15 @@ class SlidingWindowAttention(ZooAttention):
         return restore_order(out, order)
 
     # -- decoding -------------------------------------------------------------------------------------------
-    def _start_state(self, layer, k, v, n_real):
-        """The state after a prefill of left-aligned keys/values: sinks = the first S real tokens, window = the last
-        W real tokens of each row."""
-        batch, kv_heads, length, dim = k.shape
-        device = k.device
-        s, w = self.sinks, self.window
-        sink_index = torch.arange(s, device=device)
-        sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
-        window_index = n_real[:, None] - w + torch.arange(w, device=device)[None]  # [B, W]
-        window_take = window_index.clamp(0, max(length - 1, 0))
-
-        def take(x, index):
-            return x.gather(2, index[:, None, :, None].expand(batch, kv_heads, index.shape[1], dim))
-
-        layer.store(length, sink_k=take(k, sink_take), sink_v=take(v, sink_take),
-                    sink_valid=sink_index[None] < n_real[:, None],
-                    window_k=take(k, window_take), window_v=take(v, window_take),
-                    window_pos=torch.where(window_index >= 0, window_index, -1), count=n_real.clone())
-
-    def _step(self, q, k, v, real, layer):
+    def _step(self, q, k, v, real, layer: WindowStateLayer):
         """One new token per row (`real` [B]: whether it is a real token): update the sinks and the ring, then attend
         to them. Padded tokens leave the state as it was."""
         position = layer.state["count"]  # [B]: this token's position when real
-        self._step_update(k, v, real, layer)
-        keys, values, allowed = self._step_keys(layer, position, q.device)
-        scores = (q @ keys.transpose(-1, -2)) * self.scale
+        layer.append(k, v, real)
+        keys, values, allowed = layer.visible(position)
+        scores = (q @ self.expand_kv(keys).transpose(-1, -2)) * self.scale
         probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
-        return probs @ values
-
-    def _step_update(self, k, v, real, layer):
-        """Write a new token (per row, when real) into the sinks (while fewer than S were seen) and the ring."""
-        state = layer.state
-        position = state["count"]
-        gate = real[:, None, None, None]
-        if self.sinks:
-            slot = (torch.arange(self.sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
-            state["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
-            state["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
-            state["sink_valid"] = state["sink_valid"] | slot
-        state["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
-        state["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
-        state["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]],
-                                                                   1), state["window_pos"])
-        state["count"] = position + real.long()
-        layer.length += 1
-
-    def _step_keys(self, layer, position, device):
-        """(keys, values [B, H, S + W, d], allowed [B, S + W]) a token at `position` [B] attends to: the sinks
-        outside its window, and the ring."""
-        state = layer.state
-        sink_allowed = state["sink_valid"] & (torch.arange(self.sinks, device=device)[None]
-                                              <= (position - self.window)[:, None])
-        allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
-        allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
-        keys = self.expand_kv(torch.cat([state["sink_k"], state["window_k"]], 2))
-        values = self.expand_kv(torch.cat([state["sink_v"], state["window_v"]], 2))
-        return keys, values, allowed
+        return probs @ self.expand_kv(values)
 
     # -- reference --------------------------------------------------------------------------------------------
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):

@@ -69,11 +69,15 @@ from attnzoo.training.publish import publish_run
 from attnzoo.training.recipes import parse_with_recipe
 from attnzoo.training.text_data import (
     ENWIK8_HELDOUT_BYTES,
+    PASSKEY_FRACTION_HELP,
     TokenBlocks,
+    check_passkey_fraction,
+    count_passkey_blocks,
     find_enwik8,
     load_text_splits,
     read_enwik8,
     split_enwik8,
+    with_passkey_blocks,
 )
 
 CORPORA = ("text", "enwik8", "imagenet64")
@@ -100,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--block_size", type=int, default=256, help="tokens per training sequence (text, enwik8)")
     data.add_argument("--train_stride", type=int, default=0,
                       help="start a training block every N tokens (0: block_size, no overlap)")
+    data.add_argument("--passkey_fraction", type=float, default=0.0,
+                      help=f"text and enwik8: {PASSKEY_FRACTION_HELP}")
     data.add_argument("--train_dir", default=None, help="imagenet64: folder of training images")
     data.add_argument("--validation_dir", default=None, help="imagenet64: folder of held-out images")
     data.add_argument("--image_size", type=int, default=64, help="imagenet64: image side (64 -> 12,288 tokens)")
@@ -122,6 +128,9 @@ def check_arguments(args) -> None:
                          "is a loading script that datasets >= 4 refuses. Drop --dataset_name.")
     if args.train_stride < 0:
         raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
+    check_passkey_fraction(args.passkey_fraction)
+    if args.passkey_fraction and args.corpus == "imagenet64":
+        raise ValueError("--passkey_fraction mixes passkey text into text corpora; drop it with --corpus imagenet64.")
     check_lora_arguments(args)
 
 
@@ -143,12 +152,14 @@ def load_datasets(args, tokenizer, byte_level: bool):
     stride = args.train_stride or args.block_size
     if args.corpus == "enwik8":
         splits = split_enwik8(read_enwik8(find_enwik8(args.data_dir, args.train_file)), args.heldout_bytes)
-        return (TokenBlocks(splits["train"], args.block_size, stride),
+        return (with_passkey_blocks(TokenBlocks(splits["train"], args.block_size, stride), args.passkey_fraction,
+                                    tokenizer, args.block_size, args.seed),
                 TokenBlocks(splits["validation"], args.block_size),
                 TokenBlocks(splits["test"], args.block_size), args.block_size)
     train_tokens, heldout_tokens = load_text_splits(args, tokenizer, byte_level)
-    return (TokenBlocks(train_tokens, args.block_size, stride), TokenBlocks(heldout_tokens, args.block_size), None,
-            args.block_size)
+    train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, stride), args.passkey_fraction,
+                                    tokenizer, args.block_size, args.seed)
+    return train_set, TokenBlocks(heldout_tokens, args.block_size), None, args.block_size
 
 
 def build_model(args, sequence_length: int, vocab_size: int, tokenizer=None):
@@ -223,7 +234,7 @@ def main(argv=None):
         eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
     results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "corpus": args.corpus,
                "sequence_length": sequence_length, "num_parameters": n_params,
-               "num_train_sequences": len(train_set),
+               "num_train_sequences": len(train_set), "num_passkey_sequences": count_passkey_blocks(train_set),
                "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
     if test_set is not None:
         test_loader = eval_loader(test_set, args.per_device_eval_batch_size, accelerator)

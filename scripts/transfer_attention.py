@@ -30,11 +30,9 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from torch.utils.data import ConcatDataset, Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import attnzoo  # noqa: F401  (registers the families with the Auto classes)
-from attnzoo.evaluation.passkey import passkey_training_blocks
 from attnzoo.tokenization import NUM_BYTES, is_byte_level
 from attnzoo.training.arguments import add_training_arguments, check_training_arguments
 from attnzoo.training.attention_transfer import AttentionTransfer, evaluate_transfer, find_attention_layers
@@ -55,7 +53,14 @@ from attnzoo.training.model_source import check_model_source, reading_model_sour
 from attnzoo.training.plots import plot_curves
 from attnzoo.training.publish import ARGS_FILE, RESULTS_FILE, write_json
 from attnzoo.training.recipes import parse_with_recipe
-from attnzoo.training.text_data import TokenBlocks, load_text_splits
+from attnzoo.training.text_data import (
+    PASSKEY_FRACTION_HELP,
+    TokenBlocks,
+    check_passkey_fraction,
+    count_passkey_blocks,
+    load_text_splits,
+    with_passkey_blocks,
+)
 from attnzoo.training.tracking import METRICS_FILE
 
 #: the settings a resumed transfer run must share with the run it continues, beyond run_dir.RESUME_FIXED (which
@@ -91,10 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--block_size", type=int, default=256, help="tokens per sequence")
     data.add_argument("--train_stride", type=int, default=0,
                       help="start a training block every N tokens (0: block_size, no overlap)")
-    data.add_argument("--passkey_fraction", type=float, default=0.0,
-                      help="this fraction of the training sequences are passkey retrieval sequences (a key hidden "
-                           "in filler text, then asked for; attnzoo.evaluation.passkey), generated from --seed: "
-                           "transfer data that contains the retrieval skill (0: text only)")
+    data.add_argument("--passkey_fraction", type=float, default=0.0, help=PASSKEY_FRACTION_HELP)
     add_training_arguments(parser, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-2,
                            weight_decay=0.0, num_warmup_steps=0, max_train_steps=200, output_dir="runs/transfer")
     return parser
@@ -115,9 +117,7 @@ def check_arguments(args) -> None:
                          "which a whole-graph compile cannot trace; drop the flag.")
     if args.train_stride < 0:
         raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
-    if not 0.0 <= args.passkey_fraction < 1.0:
-        raise ValueError(f"--passkey_fraction={args.passkey_fraction} is invalid: set a fraction in [0, 1) of the "
-                         "training sequences (0: text only).")
+    check_passkey_fraction(args.passkey_fraction)
     check_model_source(args.teacher, "--teacher")
     check_model_source(args.student, "--student")
 
@@ -213,34 +213,6 @@ def load_models(args, tokenizer):
     return teacher, student
 
 
-class PasskeyBlocks(Dataset):
-    """Passkey retrieval sequences as training examples (`input_ids`, like `TokenBlocks`')."""
-
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
-
-    def __len__(self):
-        return len(self.blocks)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.blocks[index]}
-
-
-def with_passkey_blocks(text_set: Dataset, args, tokenizer) -> Dataset:
-    """The text blocks plus, with --passkey_fraction f, f / (1 - f) passkey sequences per text block, so the
-    attention learns on data that needs retrieval from anywhere in the context ("LoLA", arXiv 2505.23666, finds that
-    conversions keep only what their distillation data exercises)."""
-    if not args.passkey_fraction:
-        return text_set
-    count = round(len(text_set) * args.passkey_fraction / (1.0 - args.passkey_fraction))
-    try:
-        blocks = passkey_training_blocks(tokenizer, args.block_size, count, seed=args.seed, task_description=False)
-    except ValueError as error:  # e.g. blocks too short to hold a key and its question
-        raise ValueError(f"--passkey_fraction={args.passkey_fraction} with --block_size={args.block_size}: "
-                         f"{error}") from error
-    return ConcatDataset([text_set, PasskeyBlocks(blocks)])
-
-
 def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
     check_arguments(args)
@@ -258,7 +230,7 @@ def main(argv=None):
     with accelerator.main_process_first():  # `datasets` caches are built once
         train_tokens, heldout_tokens = load_text_splits(args, tokenizer, is_byte_level(tokenizer))
     train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, args.train_stride or args.block_size),
-                                    args, tokenizer)
+                                    args.passkey_fraction, tokenizer, args.block_size, args.seed)
     heldout_set = TokenBlocks(heldout_tokens, args.block_size)
     teacher, student = load_models(args, tokenizer)
     transfer = AttentionTransfer(teacher, student)
@@ -319,8 +291,7 @@ def main(argv=None):
         "per_layer_transfer_loss_after": {str(i): v for i, v in zip(transfer.layers, after, strict=True)},
         "train_steps": step, "num_trained_parameters": transfer.num_trained_parameters,
         "num_train_sequences": len(train_set), "num_heldout_sequences": len(heldout_set),
-        "num_passkey_sequences": len(train_set) - len(train_set.datasets[0]) if isinstance(train_set, ConcatDataset)
-        else 0,
+        "num_passkey_sequences": count_passkey_blocks(train_set),
         "sequence_length": args.block_size, "train_seconds": round(time.time() - started, 1),
         "num_processes": accelerator.num_processes,
     }

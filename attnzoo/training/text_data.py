@@ -8,9 +8,13 @@ import zipfile
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from attnzoo.training.data_checks import checked_json_files, read_utf8_text, utf8_text_files
+
+PASSKEY_FRACTION_HELP = ("this fraction of the training sequences are passkey retrieval sequences (a key hidden in "
+                         "filler text, then asked for; attnzoo.evaluation.passkey), generated from --seed: data "
+                         "that contains the retrieval skill (0: text only)")
 
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
@@ -111,6 +115,48 @@ class TokenBlocks(Dataset):
 
 
 ByteBlocks = TokenBlocks  # the name the first version of train_lm.py used
+
+
+class PasskeyBlocks(Dataset):
+    """Passkey retrieval sequences as training examples (`input_ids`, like `TokenBlocks`')."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.blocks[index]}
+
+
+def check_passkey_fraction(fraction: float) -> None:
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--passkey_fraction={fraction} is invalid: set a fraction in [0, 1) of the training "
+                         "sequences (0: text only).")
+
+
+def with_passkey_blocks(text_set: Dataset, fraction: float, tokenizer, block_size: int, seed: int) -> Dataset:
+    """The text blocks plus, for a passkey fraction f, f / (1 - f) passkey sequences per text block (each exactly
+    `block_size` tokens, ending with its answer), so a model learns on data that needs retrieval from anywhere in the
+    context ("LoLA", arXiv 2505.23666, finds that conversions keep only what their training data exercises)."""
+    if not fraction:
+        return text_set
+    from attnzoo.evaluation.passkey import passkey_training_blocks  # evaluation code, only when asked for
+
+    count = round(len(text_set) * fraction / (1.0 - fraction))
+    try:
+        blocks = passkey_training_blocks(tokenizer, block_size, count, seed=seed, task_description=False)
+    except ValueError as error:  # e.g. blocks too short to hold a key and its question
+        raise ValueError(f"--passkey_fraction={fraction} with --block_size={block_size}: {error}") from error
+    return ConcatDataset([text_set, PasskeyBlocks(blocks)])
+
+
+def count_passkey_blocks(train_set: Dataset) -> int:
+    """How many of a training set's sequences `with_passkey_blocks` added."""
+    if isinstance(train_set, ConcatDataset):
+        return sum(len(part) for part in train_set.datasets if isinstance(part, PasskeyBlocks))
+    return 0
 
 
 def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool) -> torch.Tensor:

@@ -331,3 +331,20 @@ def test_accelerate_launch_runs_the_quickstart_recipe_briefly(tmp_path):
     assert "held-out bits/dim" in done.stdout
     assert torch.isfinite(torch.tensor(json.loads((tmp_path / "qs" / "all_results.json").read_text())
                                        ["eval_bits_per_dim"]))
+
+
+def test_passkey_fraction_mixes_retrieval_sequences_into_language_model_training(text_file, tmp_path):
+    script = load_script("train_lm")
+    out = tmp_path / "run"
+    tiny = [a if a != "32" else "128" for a in TEXT_TINY]  # passkey sequences need room for a key and a question
+    script.main(["--train_file", str(text_file), "--output_dir", str(out), "--max_train_steps", "2",
+                 "--passkey_fraction", "0.25", *tiny])
+    results = json.loads((out / "all_results.json").read_text())
+    text_blocks = len("The quick brown fox jumps over the lazy dog. " * 400) * 95 // 100 // 128
+    assert results["num_passkey_sequences"] == round(text_blocks / 3)  # a quarter of all training sequences
+    assert results["num_train_sequences"] == text_blocks + results["num_passkey_sequences"]
+    for bad, message in (("1.0", "--passkey_fraction=1.0"), ("-0.1", "--passkey_fraction=-0.1")):
+        with pytest.raises(ValueError, match=message):
+            script.main(["--train_file", str(text_file), "--output_dir", str(tmp_path / "bad"),
+                         "--passkey_fraction", bad, *tiny])
+    assert not (tmp_path / "bad").exists()

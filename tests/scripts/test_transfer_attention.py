@@ -513,27 +513,20 @@ def test_lora_arguments_are_checked(tmp_path, models, corpus, monkeypatch):
 
 # -- retrieval in the transfer data ----------------------------------------------------------------------------
 def test_passkey_fraction_mixes_retrieval_sequences_into_the_training_data():
-    import argparse
-
     from attnzoo.tokenization import byte_level_tokenizer
-    from attnzoo.training.text_data import TokenBlocks
-    from tests.scripts_helpers import load_script
+    from attnzoo.training.text_data import TokenBlocks, count_passkey_blocks, with_passkey_blocks
 
-    script = load_script("transfer_attention")
     tokenizer = byte_level_tokenizer()
     text = TokenBlocks(torch.tensor(list(english_text()[:12_800])), 128)  # 100 blocks
-    args = argparse.Namespace(passkey_fraction=0.2, block_size=128, seed=3)
-    mixed = script.with_passkey_blocks(text, args, tokenizer)
-    assert len(mixed) == 125  # 25 of 125 sequences are retrieval ones
+    mixed = with_passkey_blocks(text, 0.2, tokenizer, 128, seed=3)
+    assert len(mixed) == 125 and count_passkey_blocks(mixed) == 25  # 25 of 125 sequences are retrieval ones
     passkey = [bytes(mixed[i]["input_ids"].tolist()).decode() for i in range(100, 125)]
     assert all("The pass key is" in p and p.rstrip().split()[-1].isdigit() for p in passkey)
-    again = script.with_passkey_blocks(text, args, tokenizer)
+    again = with_passkey_blocks(text, 0.2, tokenizer, 128, seed=3)
     assert all(torch.equal(mixed[i]["input_ids"], again[i]["input_ids"]) for i in range(125))  # from --seed
-    assert script.with_passkey_blocks(text, argparse.Namespace(passkey_fraction=0.0, block_size=128, seed=3),
-                                      tokenizer) is text
+    assert with_passkey_blocks(text, 0.0, tokenizer, 128, seed=3) is text and count_passkey_blocks(text) == 0
     with pytest.raises(ValueError, match="--passkey_fraction=0.2 with --block_size=32"):
-        script.with_passkey_blocks(TokenBlocks(torch.arange(320) % 256, 32), argparse.Namespace(
-            passkey_fraction=0.2, block_size=32, seed=0), tokenizer)
+        with_passkey_blocks(TokenBlocks(torch.arange(320) % 256, 32), 0.2, tokenizer, 32, seed=0)
 
 
 def test_passkey_fraction_is_checked(tmp_path, models, corpus):

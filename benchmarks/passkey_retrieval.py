@@ -19,7 +19,8 @@ not run. Every cell not run says why.
 
 Writes the JSON given by --results (setup, per model: accuracy per length and depth, per-cell details, seconds per
 length, cells not run and why; the command) and, per model, a heatmap <results stem>_<model>.png beside it (depth x
-length, accuracy as colour, "n/a" where not run).
+length, accuracy as colour, "n/a" where not run). With --model_card auto (the default), a local model folder's model
+card (README.md) gets the accuracy per length, as model-index results and a "Passkey retrieval" table.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # attnzoo's package import registers its families with the Auto classes (checkpoints saved without remote code)
 from attnzoo.evaluation.passkey import FILLERS, SCORING, passkey_accuracy
+from attnzoo.training.model_card import add_eval_results, passkey_eval_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
@@ -68,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--results", type=Path, default=RESULTS / "passkey_retrieval.json")
+    p.add_argument("--model_card", choices=["auto", "none"], default="auto",
+                   help="auto: write each local model folder's accuracies into its model card (README.md), beside "
+                        "its other measured results; none: only the JSON")
     return p
 
 
@@ -132,6 +137,12 @@ def main(argv=None) -> dict:
         png = args.results.with_name(f"{args.results.stem}_{name}.png")
         plot(name, result, png)
         result["heatmap"] = relative(png)
+    if args.model_card == "auto":
+        for (name, result), path in zip(report["models"].items(), args.model, strict=True):
+            if Path(path).is_dir():
+                card = Path(path) / "README.md"
+                add_eval_results(card, passkey_eval_results(result["accuracy"], report["setup"]), name)
+                result["model_card"] = relative(card)
     args.results.write_text(json.dumps(report, indent=2))
     print(f"wrote {relative(args.results)}", flush=True)
     return report

@@ -147,10 +147,66 @@ def lm_eval_section(eval_results: list[EvalResult]) -> str:
     return "\n".join([*lines, LM_EVAL_END])
 
 
+#: where passkey results come from (benchmarks/passkey_retrieval.py writes them; the card's passkey table lists these)
+PASSKEY_SOURCE = ("attnzoo passkey retrieval", "https://arxiv.org/abs/2305.16300")
+PASSKEY_BEGIN = "<!-- passkey results: benchmarks/passkey_retrieval.py rewrites this section -->"
+PASSKEY_END = "<!-- end of passkey results -->"
+
+
+def passkey_eval_results(accuracy: dict, setup: dict) -> list[EvalResult]:
+    """One EvalResult per prompt length of `attnzoo.evaluation.passkey.passkey_accuracy`'s `accuracy` ({length:
+    {depth: fraction or None}}): the mean over the depths that ran, with the depths, trials, filler and seed as its
+    `metric_config`; lengths with no depth run are left out."""
+    results = []
+    for length, by_depth in accuracy.items():
+        ran = {depth: value for depth, value in by_depth.items() if value is not None}
+        if not ran:
+            continue
+        per_depth = ", ".join(f"{float(depth):.0%}: {value:.2f}" for depth, value in ran.items())
+        settings = (f"{setup['trials']} keys per depth, {setup['digits']} digits, filler {setup['filler']}, "
+                    f"seed {setup['seed']}, greedy; by depth {per_depth}")
+        results.append(EvalResult(task_type="text-generation", task_name="passkey retrieval",
+                                  dataset_type="attnzoo-passkey", dataset_name=f"passkey retrieval, {length} tokens",
+                                  metric_type="accuracy", metric_name="accuracy (mean over depths)",
+                                  metric_value=round(sum(ran.values()) / len(ran), 4), metric_config=settings,
+                                  source_name=PASSKEY_SOURCE[0], source_url=PASSKEY_SOURCE[1]))
+    return results
+
+
+def passkey_section(eval_results: list[EvalResult]) -> str:
+    """The card's passkey table: every passkey result the card holds, by prompt length."""
+    rows = sorted((r for r in eval_results if r.source_name == PASSKEY_SOURCE[0]),
+                  key=lambda r: int(r.dataset_name.rsplit(", ", 1)[1].split()[0]))
+    lines = [PASSKEY_BEGIN, "## Passkey retrieval", "",
+             "A 5-digit pass key hidden in filler text at several depths, asked for at the end, greedy decoding "
+             "(`benchmarks/passkey_retrieval.py`; see docs/evaluation.md).", "",
+             "| prompt length | accuracy | settings |", "|---|---|---|"]
+    lines += [f"| {r.dataset_name.rsplit(', ', 1)[1]} | {r.metric_value} | {r.metric_config or ''} |" for r in rows]
+    return "\n".join([*lines, PASSKEY_END])
+
+
+#: the card's measured sections: (first line, last line, the results' source, how the section is rendered)
+RESULT_SECTIONS = ((LM_EVAL_BEGIN, LM_EVAL_END, LM_EVAL_SOURCE[0], lm_eval_section),
+                   (PASSKEY_BEGIN, PASSKEY_END, PASSKEY_SOURCE[0], passkey_section))
+
+
+def _with_section(text: str, begin: str, end: str, section: str) -> str:
+    """`text` with the section between `begin` and `end` replaced by `section`, or `section` added before the
+    card's usage part (the templates' order: results first, then usage), or at the end."""
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        return before + section + rest.split(end, 1)[1]
+    if "\n## How to use" in text:
+        before, after = text.split("\n## How to use", 1)
+        return f"{before.rstrip()}\n\n{section}\n\n## How to use{after}"
+    return f"{text.rstrip()}\n\n{section}\n"
+
+
 def add_eval_results(card_path: str | Path, eval_results: list[EvalResult], model_name: str) -> ModelCard:
     """Write `eval_results` into the model card at `card_path` (a new card when there is none): they join its
     `model-index` results (bits/dim, BLEU, ...), replacing earlier ones of the same task, data set, split and
-    metric, and the card's lm-eval section is rebuilt from all the lm-eval results it then holds."""
+    metric, and the card's lm-eval and passkey sections are rebuilt from all the results of their kind it then
+    holds."""
     path = Path(card_path)
     if path.is_file():
         card = ModelCard.load(path)
@@ -161,16 +217,10 @@ def add_eval_results(card_path: str | Path, eval_results: list[EvalResult], mode
     kept = [r for r in (card.data.eval_results or []) if _result_key(r) not in new_keys]
     card.data.eval_results = kept + list(eval_results)
     card.data.model_name = card.data.model_name or model_name
-    section = lm_eval_section(card.data.eval_results)
     text = card.text
-    if LM_EVAL_BEGIN in text and LM_EVAL_END in text:
-        before, rest = text.split(LM_EVAL_BEGIN, 1)
-        text = before + section + rest.split(LM_EVAL_END, 1)[1]
-    elif "\n## How to use" in text:  # the templates' order: results first, then usage
-        before, after = text.split("\n## How to use", 1)
-        text = f"{before.rstrip()}\n\n{section}\n\n## How to use{after}"
-    else:
-        text = f"{text.rstrip()}\n\n{section}\n"
+    for begin, end, source, render in RESULT_SECTIONS:
+        if any(r.source_name == source for r in card.data.eval_results):
+            text = _with_section(text, begin, end, render(card.data.eval_results))
     card.text = text
     card.save(path)
     return card

@@ -293,3 +293,23 @@ def test_benchmark_end_to_end(tmp_path):
         "python benchmarks/passkey_retrieval.py --model ")
     png = tmp_path / "passkey_tiny_softmax.png"
     assert result["heatmap"] == str(png) and png.stat().st_size > 0
+    # the model card of the folder now carries the figures, as model-index results and a table; a second run
+    # replaces them (and keeps what else the card holds)
+    from huggingface_hub import ModelCard
+
+    card_path = folder / "README.md"
+    assert result["model_card"] == str(card_path)
+    card = ModelCard.load(card_path)
+    [entry] = [r for r in card.data.eval_results if r.task_name == "passkey retrieval"]
+    assert entry.dataset_name == "passkey retrieval, 260 tokens" and entry.metric_value == 0.0
+    assert "2 keys per depth" in entry.metric_config and "by depth 0%: 0.00, 50%: 0.00, 100%: 0.00" in \
+        entry.metric_config
+    assert "## Passkey retrieval" in card.text and "| 260 tokens | 0.0 |" in card.text
+    card_path.write_text(card_path.read_text() + "\nmy own notes\n")
+    bench.main(["--model", str(folder), "--lengths", "260", "--depths", "0", "--trials", "1", "--results", str(out)])
+    card = ModelCard.load(card_path)
+    assert [r.metric_config.split("; ")[1] for r in card.data.eval_results] == ["by depth 0%: 0.00"]
+    assert card.text.count("## Passkey retrieval") == 1 and "my own notes" in card.text
+    bench.main(["--model", str(folder), "--lengths", "260", "--depths", "0", "--trials", "1", "--results", str(out),
+                "--model_card", "none"])
+    assert ModelCard.load(card_path).text == card.text

@@ -1,0 +1,165 @@
+"""The exact window with sinks plus a linear-features far part under ONE softmax normalisation: what the windowed
+linear attentions ("favor_window", "lara_window") share.
+
+Per head, with positions counted in real tokens, s_ij = q_i·k_j / √d, a window W and S sinks, query i sees
+    near(i) = {j: 0 <= pos_i - pos_j < W} ∪ {j: pos_j < S, pos_j <= pos_i}   exactly, and
+    far(i)  = {j real: S <= pos_j <= pos_i - W}                             through features:
+
+    out_i = (Σ_{near} exp(s_ij) v_j + Σ_{far} κ_ij v_j) / (Σ_{near} exp(s_ij) + Σ_{far} κ_ij),
+    κ_ij = Σ_p exp(a_ip + b_jp),
+
+for query log-features a [B, H, L, P] and key log-features b [B, H, L, P] whose κ estimates exp(s_ij) on the same
+scale, so the two parts need no mixing weight: FAVOR+ (a = ℓ(q̂, w_p) − log m, b = ℓ(k̂, w_p); "Rethinking
+Attention with Performers", arXiv 2009.14794, §2.3) or causal LARA (a = log α_ip + ℓ(q̂_i, ω_p) − log q̃_p(ω_p),
+b = ℓ(k̂_j, ω_p); "Linear Complexity Randomized Self-attention Mechanism", arXiv 2204.04667, §4, and
+docs/random_feature_attention.md, section 5). This is the window-plus-linear layer of LoLCATs ("LoLCATs: On Low-Rank
+Linearizing of Large Language Models", arXiv 2410.10254, §3.2).
+
+Parallel form (`blocked_far_part`), on blocks of W left-aligned tokens: the far keys of a query in block c are all
+keys of blocks <= c − 2 (a prefix sum of per-block feature sums) and those of block c − 1 at offsets <= its own (a
+masked [W, W] product), so memory is O(L·(W + S + P) + (L/W)·P·d) and there is no loop over blocks.
+
+Stabilisation, exact and causal: each feature p gets a level E_cp, the running maximum over blocks <= c of the far
+keys' b_jp (detached). Block c's keys enter as exp(b_jp − E_cp) <= 1, the prefix sums are decayed by
+exp(E_bp − E_cp) <= 1 (`decayed_cumsum`), and the levels are folded into the query side:
+exp(a_ip + E_(c−1)p − t_i) with t_i = max_p (a_ip + E_(c−1)p), so every factor is at most 1 and κ_ij =
+exp(t_i) · (the stabilised product). t_i is returned as the far part's log scale and cancels in the one
+normalisation (`combine`). A per-feature level keeps a feature whose keys are all small from being flushed to 0 by
+another feature's large key (as one maximum over all features would), and the running maximum lets no output
+depend on a later token, not even through rounding (docs/random_feature_attention.md, section 2).
+
+Decoding keeps per-feature sums over the keys that have left the window (`far_sums`, `add_far_key`, `read_far`),
+with the same per-feature running levels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnzoo.modeling.attention.random_features import NO_KEY_LEVEL
+from attnzoo.ops.decayed_linear_attention import decayed_cumsum
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def finite_level(x: torch.Tensor) -> torch.Tensor:
+    """A key level with "no key yet" (−inf) replaced by NO_KEY_LEVEL: finite, so level differences never give NaN,
+    and low enough that the decay from it to any real key's level is exactly 0."""
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, NO_KEY_LEVEL))
+
+
+def grouped_heads(module, hidden_states: torch.Tensor, position_ids=None, past: int = 0):
+    """q [B, H, L, d] and k, v [B, kv_heads, L, d] of a `ZooAttention` (a decoding state keeps the unrepeated heads),
+    rotated in rotary models, in float32 at least."""
+    compute = torch.promote_types(hidden_states.dtype, torch.float32)
+    q, k, v = (module.split_heads(p(hidden_states)).to(compute)
+               for p in (module.q_proj, module.k_proj, module.v_proj))
+    rotation = module.rotation(position_ids, past, q.shape[2], q.device, compute)
+    return module.rotate(q, rotation), module.rotate(k, rotation), v
+
+
+def far_key_mask(n_real: torch.Tensor, sinks: int, length: int) -> torch.Tensor:
+    """[B, L] of left-aligned tokens: the real keys that are not sinks (the only ones that can be far)."""
+    position = torch.arange(length, device=n_real.device)
+    return (position[None, :] >= sinks) & (position[None, :] < n_real[:, None])
+
+
+def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(near, far) [B, L, L] bool masks of the dense references, positions counted in real tokens of `valid` [B, L]:
+    near = real keys at or before the query within the window or among the first S; far = the other real keys at or
+    before it."""
+    length = valid.shape[1]
+    pos = valid.long().cumsum(-1) - 1
+    gap = pos[:, :, None] - pos[:, None, :]
+    index = torch.arange(length, device=valid.device)
+    before = (index[:, None] >= index[None, :])[None] & valid[:, None, :]
+    near = before & ((gap < window) | (pos[:, None, :] < sinks))
+    return near, before & ~near
+
+
+def blocked_far_part(log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, far_key: torch.Tensor,
+                     window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The far part of left-aligned tokens in blocks of `window` (module docstring).
+
+    Args: log_q, log_k [B, H, L, P] query and key log-features (−inf allowed: a feature a query may not use, a key
+    that is not there); v [B, H, L, e]; far_key [B, L]: keys that may be far (real, not sinks).
+
+    Returns (far_num [B, H, C, W, e], far_den [B, H, C, W], far_scale [B, H, C, W]) with C = ceil(L / W):
+    Σ_far κ_ij v_j = exp(far_scale_i) far_num_i and Σ_far κ_ij = exp(far_scale_i) far_den_i. Query rows past L are
+    padding."""
+    batch, heads, length, count = log_q.shape
+    w = window
+    blocks = -(-length // w)
+    pad = blocks * w - length
+    far_key = F.pad(far_key, (0, pad))
+    log_k = F.pad(log_k, (0, 0, 0, pad)).masked_fill(~far_key[:, None, :, None], float("-inf"))
+    log_k = log_k.view(batch, heads, blocks, w, count)
+    log_q = F.pad(log_q, (0, 0, 0, pad)).view(batch, heads, blocks, w, count)
+    # values with a column of ones: the denominator rides along as the last value column
+    v_ones = F.pad(F.pad(v, (0, 1), value=1.0), (0, 0, 0, pad)).view(batch, heads, blocks, w, -1)
+    level = finite_level(torch.cummax(log_k.detach().amax(3), dim=2).values)  # [B, H, C, P], nondecreasing in C
+    phi_k = torch.exp(log_k - level[:, :, :, None, :])  # block c's keys relative to E_c: at most 1
+    block_sums = torch.einsum("bhcwp,bhcwe->bhpce", phi_k, v_ones)  # [B, H, P, C, e + 1]
+    prefix = decayed_cumsum(block_sums, level.transpose(2, 3))  # blocks <= c, relative to E_c
+    # a query in block c reads the prefix of blocks <= c - 2 and the keys of block c - 1
+    prefix = F.pad(prefix, (0, 0, 2, 0))[:, :, :, :blocks]
+    level_before_prev = F.pad(level, (0, 0, 2, 0), value=NO_KEY_LEVEL)[:, :, :blocks]
+    level_prev = F.pad(level, (0, 0, 1, 0), value=NO_KEY_LEVEL)[:, :, :blocks]
+    prev_k = F.pad(phi_k, (0, 0, 0, 0, 1, 0))[:, :, :blocks]
+    prev_v = F.pad(v_ones, (0, 0, 0, 0, 1, 0))[:, :, :blocks]
+    shifted = log_q + level_prev[:, :, :, None, :]
+    top = finite_or_zero(shifted.amax(-1)).detach()  # [B, H, C, W]: the far part's log scale
+    phi_q_prev = torch.exp(shifted - top[..., None])
+    phi_q_prefix = torch.exp(log_q + level_before_prev[:, :, :, None, :] - top[..., None])  # E_(c-2) <= E_(c-1)
+    # block c - 1's keys at offsets <= the query's own offset are at positions <= i - W
+    lower = torch.ones(w, w, dtype=torch.bool, device=log_q.device).tril()
+    cross = torch.einsum("bhcqp,bhckp->bhcqk", phi_q_prev, prev_k) * lower
+    far = torch.einsum("bhcqp,bhpce->bhcqe", phi_q_prefix, prefix) + cross @ prev_v
+    return far[..., :-1], far[..., -1], top
+
+
+def combine(scores: torch.Tensor, values: torch.Tensor, far_num: torch.Tensor, far_den: torch.Tensor,
+            far_scale: torch.Tensor) -> torch.Tensor:
+    """One normalisation over the window part (scores [..., Q, K] with disallowed keys at the dtype's most negative
+    value, values [..., K, e]) and the far part (numerator [..., Q, e], denominator [..., Q] and their common log
+    scale [..., Q])."""
+    top = torch.maximum(scores.amax(-1), far_scale).detach()
+    near = torch.exp(scores - top[..., None])
+    far = torch.exp(far_scale - top)
+    numerator = torch.einsum("...qk,...ke->...qe", near, values) + far[..., None] * far_num
+    return numerator / (near.sum(-1) + far * far_den)[..., None]
+
+
+# -- decoding -------------------------------------------------------------------------------------------------------
+def far_sums(log_k: torch.Tensor, v: torch.Tensor, gone: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The far state over the keys marked `gone` [B, N] (log-features [B, H, N, P], values [B, H, N, e]):
+    kv_sum [B, H, P, e] = Σ exp(b_jp − E_p) v_j, key_sum [B, H, P] = Σ exp(b_jp − E_p), key_level [B, H, P] = E_p,
+    the largest b_jp of those keys (NO_KEY_LEVEL when there is none)."""
+    log_k = log_k.masked_fill(~gone[:, None, :, None], float("-inf"))
+    level = finite_level(log_k.detach().amax(2))
+    phi_k = torch.exp(log_k - level[:, :, None, :])
+    return {"kv_sum": torch.einsum("bhnp,bhne->bhpe", phi_k, v), "key_sum": phi_k.sum(2), "key_level": level}
+
+
+def add_far_key(kv_sum, key_sum, key_level, log_k: torch.Tensor, v: torch.Tensor,
+                joins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The far state after one key per row (log-features [B, H, P], value [B, H, e]) joins it where `joins` [B]:
+    the levels become running maxima and the sums are decayed to them (every factor at most 1)."""
+    log_k = log_k.masked_fill(~joins[:, None, None], float("-inf"))
+    level = torch.maximum(key_level, log_k.detach())
+    decay = torch.exp(key_level - level)
+    phi_k = torch.exp(log_k - level)
+    return {"kv_sum": kv_sum * decay[..., None] + phi_k[..., None] * v[:, :, None, :],
+            "key_sum": key_sum * decay + phi_k, "key_level": level}
+
+
+def read_far(log_q: torch.Tensor, kv_sum, key_sum, key_level) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(far_num [B, H, T, e], far_den [B, H, T], far_scale [B, H, T]) of queries with log-features [B, H, T, P]
+    against the far state, the levels folded into the query side as in the parallel form."""
+    shifted = log_q + key_level[:, :, None, :]
+    top = finite_or_zero(shifted.amax(-1)).detach()
+    phi_q = torch.exp(shifted - top[..., None])
+    return phi_q @ kv_sum, torch.einsum("bhtp,bhp->bht", phi_q, key_sum), top

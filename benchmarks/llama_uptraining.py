@@ -113,20 +113,26 @@ def update_readme(report: dict, readme: Path = README) -> None:
     readme.write_text(f"{head}{TABLE_START}\n{results_table(report)}\n{TABLE_END}{tail}")
 
 
-def save_llama_source_init(folder: Path, args) -> None:
-    """A freshly initialised transformers LlamaForCausalLM (GQA, no dropout) with attnzoo's byte-level tokenizer."""
+def save_llama_source_init(folder: Path, args, special_tokens: bool = False) -> None:
+    """A freshly initialised transformers LlamaForCausalLM (GQA, no dropout) with attnzoo's byte-level tokenizer:
+    256 byte ids, or with `special_tokens` the tokenizer's whole vocabulary with its pad/bos/eos ids, which batched
+    generation (lm-eval's, left-padded) needs."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from attnzoo.tokenization import byte_level_tokenizer
 
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3),
+    tokenizer = byte_level_tokenizer(model_max_length=args.block_size)
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id) if special_tokens else dict(
+        vocab_size=256, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3),
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.block_size,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                         tie_word_embeddings=True, **ids)
     LlamaForCausalLM(config).save_pretrained(folder)
-    byte_level_tokenizer(model_max_length=args.block_size).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def heldout_blocks(args):

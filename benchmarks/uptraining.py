@@ -91,8 +91,9 @@ def save_scratch_init(converted: Path, folder: Path, seed: int) -> None:
 
 
 def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path | None = None,
-          learning_rate: float | None = None, execute: bool = True) -> None:
-    """scripts/train_lm.py from the checkpoint `init` for `steps` steps (the recipe's settings, or the source's)."""
+          learning_rate: float | None = None, execute: bool = True, extra: list | None = None) -> None:
+    """scripts/train_lm.py from the checkpoint `init` for `steps` steps (the recipe's settings, or the source's),
+    with `extra` arguments last."""
     command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out, "--overwrite_output_dir",
                "--max_train_steps", steps,
                "--block_size", args.block_size, "--per_device_train_batch_size", args.batch,
@@ -102,7 +103,7 @@ def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path 
         command = [*command[:1], "--recipe", recipe.relative_to(ROOT), *command[1:]]
     else:
         command += ["--learning_rate", learning_rate, "--num_warmup_steps", max(1, steps // 15)]
-    run(command, log, execute)
+    run([*command, *(extra or [])], log, execute)
 
 
 def evaluate(folder: Path, args, log: list[str], execute: bool = True) -> float:

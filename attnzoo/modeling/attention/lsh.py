@@ -39,6 +39,11 @@ from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multi
 class LSHAttention(ChunkedAttention):
     """Shared-QK multi-round LSH self-attention; see the module docstring."""
 
+    #: The `windowed_attention` backend of `lsh_attention` ("auto": the fused Triton kernels on CUDA). The fused
+    #: kernels read the `WindowMask` fields themselves; a subclass whose `window_mask` returns a mask that allows fewer
+    #: keys through an overridden `WindowMask.disallowed` (only the PyTorch path calls it) sets "torch".
+    window_backend = "auto"
+
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal, chunk_length=config.lsh_chunk_length,
                          chunks_before=config.lsh_num_chunks_before, chunks_after=config.lsh_num_chunks_after,
@@ -198,9 +203,14 @@ class LSHAttention(ChunkedAttention):
                                              scale=1.0)
         return out * has_key
 
-    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False):
+    def window_mask(self, **fields) -> WindowMask:
+        """The `WindowMask` of `lsh_attention`'s chunks, from its fields; a subclass may allow fewer keys."""
+        return WindowMask(**fields)
+
+    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False):
         """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
-        [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order."""
+        [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order. With `return_lse`, also the
+        [B, H, Lp] log-sum-exp of every query over all its rounds' keys (the log of the output's normaliser)."""
         batch, heads, padded, dim = qk.shape
         rounds = buckets.shape[2]
         m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
@@ -225,22 +235,25 @@ class LSHAttention(ChunkedAttention):
             per_position = locations.transpose(2, 3)  # [B, H, Lp, R']
             index = order.reshape(batch, heads, rounds * padded, 1).expand(-1, -1, -1, rounds)
             round_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
-        mask = WindowMask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
-                          after=after, causal=self.causal, self_penalty=True, groups=groups,
-                          group_band=(-before * m, after * m), round_locations=round_locations,
-                          round_band=round_band)
+        mask = self.window_mask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
+                                after=after, causal=self.causal, self_penalty=True, groups=groups,
+                                group_band=(-before * m, after * m), round_locations=round_locations,
+                                round_band=round_band)
         out, lse = windowed_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
-                                      save_probs)
+                                      save_probs, backend=self.window_backend)
         # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (Appendix A).
         flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(
             batch, heads, rounds * padded)
         out = out.reshape(batch, heads, rounds * padded, dim).gather(2, flat_slots[..., None].expand(-1, -1, -1, dim))
         out = out.view(batch, heads, rounds, padded, dim)
-        if rounds == 1:
+        if rounds == 1 and not return_lse:
             return out[:, :, 0]
         lse = lse.reshape(batch, heads, rounds * padded).gather(2, flat_slots).view(batch, heads, rounds, padded)
+        if rounds == 1:
+            return out[:, :, 0], lse[:, :, 0]
         weights = torch.softmax(lse, dim=2).unsqueeze(-1)
-        return (out * weights).sum(dim=2)
+        combined = (out * weights).sum(dim=2)
+        return (combined, lse.logsumexp(dim=2)) if return_lse else combined
 
     # -- decoding -------------------------------------------------------------------------------------------
     @property
@@ -266,7 +279,26 @@ class LSHAttention(ChunkedAttention):
     def _decode_one(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
         """One new token: join its buckets' recent lists, then attend to its own key and to the recent keys of its
         bucket in every round (a softmax over the union with the duplicate correction)."""
-        batch, heads, _, dim = qk.shape
+        batch, heads, _, _ = qk.shape
+        t = cache.get_seq_length()
+        listed = self.join_bucket_lists(qk, v, valid, cache)
+        out = self._attend_to_cached(qk, listed.reshape(batch, heads, -1), t, cache, self.duplicate_correction)
+        threshold = self.full_attention_threshold
+        # The first `threshold` real positions of a row attend fully (as the forward does). A row's first real token
+        # came in the prefill, so past `prefill length + threshold` no row is below the threshold: no check needed.
+        if threshold > 0 and t < cache.start_length + threshold:
+            lead = cache.sequence["lead"]
+            window = lead[:, None, None] + torch.arange(threshold, device=qk.device)  # [B, 1, T]
+            window = torch.where(window <= t, window, -1).expand(batch, heads, threshold)
+            full = self._attend_to_cached(qk, window, t, cache, correction=False)
+            out = torch.where((t - lead < threshold)[:, None, None, None], full, out)
+        return out
+
+    def join_bucket_lists(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
+        """Hash one new token (cache index t) with the cached rotations, add it to its buckets' recent lists and
+        to the cache; returns [B, H, R, K + 1]: the cache indices of the K most recent keys of its bucket in every
+        round before it (-1 where there are fewer), then t itself."""
+        batch, heads, _, _ = qk.shape
         t = cache.get_seq_length()
         factors = self.bucket_factors()
         buckets = hash_buckets(qk, cache.sequence["rotations"], factors)  # [B, H, R, 1]
@@ -279,18 +311,7 @@ class LSHAttention(ChunkedAttention):
         recent.scatter_(3, bucket_rows, torch.cat(
             [previous[..., 1:], previous.new_full((batch, heads, rounds, 1, 1), t)], dim=-1))
         cache.append(keys=qk, values=v, buckets=buckets, valid=valid)
-        listed = torch.cat([previous[:, :, :, 0], previous.new_full((batch, heads, rounds, 1), t)], dim=-1)
-        out = self._attend_to_cached(qk, listed.reshape(batch, heads, -1), t, cache, self.duplicate_correction)
-        threshold = self.full_attention_threshold
-        # The first `threshold` real positions of a row attend fully (as the forward does). A row's first real token
-        # came in the prefill, so past `prefill length + threshold` no row is below the threshold: no check needed.
-        if threshold > 0 and t < cache.start_length + threshold:
-            lead = cache.sequence["lead"]
-            window = lead[:, None, None] + torch.arange(threshold, device=qk.device)  # [B, 1, T]
-            window = torch.where(window <= t, window, -1).expand(batch, heads, threshold)
-            full = self._attend_to_cached(qk, window, t, cache, correction=False)
-            out = torch.where((t - lead < threshold)[:, None, None, None], full, out)
-        return out
+        return torch.cat([previous[:, :, :, 0], previous.new_full((batch, heads, rounds, 1), t)], dim=-1)
 
     def _attend_to_cached(self, qk, index, t, cache: TokenBufferLayer, correction: bool) -> torch.Tensor:
         """Shared-QK attention of the new token (cache index t) over the cached keys at `index` [B, H, n] (-1: none),

@@ -1,0 +1,220 @@
+"""LSH with an exact window inside the layer ("lsh_window"): the chunked parallel form against the dense reference
+(values and gradients, left padding, both LSH windows, with and without the duplicate correction), exact shared-QK
+attention where the window covers everything, the far part adding exactly the keys LSH lists beyond the window (and
+retrieving a far copy of the query), decoding from LSH's own cache equal to the full forward, the reversible
+backward, and save/load/generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnzoo import ZooHybridConfig, ZooReformerForCausalLM
+from attnzoo.modeling.attention import Recomputation, build_attention
+from attnzoo.modeling.attention.lsh import LSHAttention
+from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
+from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
+from attnzoo.modeling.cache import TokenBufferLayer
+from attnzoo.transformers_compat import output_cache
+from tests.attention.helpers import assert_same_values_and_gradients, lm_config
+
+LENGTH = 23
+
+
+def config(**overrides):
+    """Chunks of 4 over 4 buckets and 2 hash rounds: a sequence of 23 tokens spans several sorted chunks, so
+    buckets decide which far keys a query sees. Rotary positions and grouped values (2 value heads for 4 heads)."""
+    values = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
+                  position_embedding_type="rotary", attn_layers=["lsh_window"], is_decoder=True, vocab_size=37,
+                  num_hidden_layers=2, intermediate_size=48, hidden_dropout_prob=0.0, pad_token_id=0,
+                  max_position_embeddings=64, lsh_chunk_length=4, lsh_num_buckets=4, lsh_num_hashes=2,
+                  lsh_attention_probs_dropout_prob=0.0, eval_seed=0)
+    values.update(overrides)
+    return ZooHybridConfig(**values)
+
+
+def layer(**overrides):
+    torch.manual_seed(0)
+    return build_attention("lsh_window", config(**overrides), 0, True).double().eval()
+
+
+def left_padded(batch=2, length=LENGTH, padding=5):
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, :padding] = False
+    return mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def candidates_beyond_the_window(attn, buckets, mask):
+    """[B, H, L] whether LSH lists a far key for the query in some round ("bucket" window: a key of its bucket at
+    most K sorted slots before it; far: real, not a sink, at least W real positions before it)."""
+    slots = inverse_permutation(sort_by_bucket(buckets))
+    slot_gap = slots[..., None, :] - slots[..., :, None]
+    listed = ((buckets[..., None, :] == buckets[..., :, None]) & (slot_gap >= -attn.recent_size)
+              & (slot_gap <= 0)).any(dim=2)
+    position = mask.long().cumsum(-1) - 1
+    far = ((position[:, :, None] - position[:, None, :] >= attn.window_size) & (position[:, None, :] >= attn.sinks)
+           & mask[:, None, :] & mask[:, :, None])
+    return (listed & far[:, None]).any(-1)
+
+
+def window_and_sinks_only(attn, x, mask, positions):
+    """The layer without its far part: shared-QK softmax over the window and the sinks, own key penalised."""
+    qk, v = attn._project(x, positions)
+    position = mask.long().cumsum(-1) - 1
+    gap = position[:, :, None] - position[:, None, :]
+    earlier = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None] & mask[:, None, :]
+    near = earlier & ((gap < attn.window_size) | (position[:, None, :] < attn.sinks))
+    scores = (qk @ normalize_keys(qk).transpose(-1, -2)).masked_fill(~near[:, None], float("-inf"))
+    scores = scores.masked_fill(torch.eye(x.shape[1], dtype=torch.bool), -1e5)
+    return attn.output(attn.merge_heads(scores.softmax(-1) @ v))
+
+
+@pytest.mark.parametrize("window, sinks, lsh_window, correction", [
+    (4, 2, "bucket", True), (4, 2, "bucket", False), (3, 0, "chunk", True), (5, 7, "bucket", True),
+    (5, 7, "chunk", False), (1, 0, "bucket", True), (1, 0, "chunk", True), (64, 4, "bucket", True)])
+def test_parallel_form_equals_dense_reference_with_padding(window, sinks, lsh_window, correction):
+    attn = layer(window_size=window, num_sink_tokens=sinks, lsh_window=lsh_window,
+                 lsh_duplicate_correction=correction)
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64, requires_grad=True)
+    mask, positions = left_padded()
+    fast = attn(x, attention_mask=mask, position_ids=positions)
+    reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
+    # a left-padded row gives its real tokens what the row alone gives them
+    alone = attn(x[1:, 5:], position_ids=positions[1:, 5:])
+    torch.testing.assert_close(fast[1, 5:], alone[0], rtol=1e-10, atol=1e-12)
+
+
+def test_training_forward_with_fresh_rotations_equals_the_reference_on_the_same_buckets():
+    attn = layer(lsh_hash_seed=None).train()  # rotations from the global RNG, one set per example
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64, requires_grad=True)
+    mask, positions = left_padded()
+    record = Recomputation()
+    fast = attn(x, attention_mask=mask, position_ids=positions, recompute=record)
+    record.replaying = True  # the reference reads the buckets the forward saved, as a reversible backward does
+    reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions, recompute=record)
+    assert record.saved["buckets"].shape == (2, 4, 2, LENGTH)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
+
+
+def test_window_covering_everything_is_exact_shared_qk_attention_with_the_same_weights():
+    covering = layer(window_size=32, num_sink_tokens=0)
+    full = LSHAttention(config(lsh_full_attention_threshold=32), 0, True).double()  # LSH's full shared-QK path
+    full.load_state_dict(covering.state_dict())
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64)
+    mask, positions = left_padded()
+    got = covering(x, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(got[mask], full(x, attention_mask=mask, position_ids=positions)[mask], rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_far_part_adds_exactly_the_keys_lsh_lists_beyond_the_window():
+    attn = layer()
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64)
+    mask, positions = left_padded()
+    record = Recomputation()
+    got = attn(x, attention_mask=mask, position_ids=positions, recompute=record)
+    without_far = window_and_sinks_only(attn, x, mask, positions)
+    has_far = candidates_beyond_the_window(attn, record.saved["buckets"], mask).any(1)  # [B, L], any head
+    assert 10 < has_far.sum() < mask.sum()  # both kinds of positions occur
+    quiet = mask & ~has_far
+    torch.testing.assert_close(got[quiet], without_far[quiet], rtol=1e-10, atol=1e-12)
+    assert ((got - without_far).abs().amax(-1)[has_far] > 1e-6).all()
+    # With no look-back in the sorted order LSH lists no key but the query's own: the window and sinks alone.
+    blind = layer(lsh_num_chunks_before=0)
+    got = blind(x, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(got[mask], window_and_sinks_only(blind, x, mask, positions)[mask], rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
+    # Passkey-style recall: token 40 repeats token 5 (no rotary positions, so their shared-QK vectors are equal and
+    # hash to the same bucket in every round). The far part finds it and, its score |q| being far above the
+    # others', gives it nearly all the weight; the window and sinks alone cannot see it.
+    attn = layer(position_embedding_type="learned", num_sink_tokens=1, lsh_num_buckets=8, lsh_num_chunks_before=2)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 48, 32, dtype=torch.float64, generator=generator)
+    x[0, 40] = x[0, 5] = 400 * torch.randn(32, dtype=torch.float64, generator=generator)
+    _, v = attn._project(x)
+    recalled = attn.output(attn.merge_heads(v[:, :, 5:6]))[0, 0]
+    mask = torch.ones(1, 48, dtype=torch.bool)
+    got = attn(x)[0, 40]
+    torch.testing.assert_close(got, recalled, rtol=0, atol=1e-6)
+    assert (window_and_sinks_only(attn, x, mask, None)[0, 40] - recalled).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("correction", [True, False])
+def test_decoding_reads_the_window_from_lsh_cache_and_equals_the_full_forward(correction):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(lsh_duplicate_correction=correction)).double().eval()
+    ids = torch.randint(1, 37, (2, 30))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    full = model(ids, attention_mask=mask).logits
+    out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+    steps = [out.logits]
+    for t in range(6, 24):
+        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
+        steps.append(out.logits)
+        slot = output_cache(out).layers[0]
+        # The state is LSH's own: every token's shared-QK vector, value, buckets and validity (one more per token)
+        # and per-sequence rotations, bucket lists of a fixed size and the padding lead; the window part reads the
+        # sinks and the last W tokens from those and stores nothing of its own.
+        assert isinstance(slot, TokenBufferLayer) and slot.get_seq_length() == t + 1
+        assert set(slot.buffers) == {"keys", "values", "buckets", "valid"}
+        assert set(slot.sequence) == {"rotations", "recent", "lead"}
+        assert slot.sequence["recent"].shape == (2, 4, 2, 4 + 1, 4)  # [B, H, rounds, buckets + padding, K]
+    cache = output_cache(out)
+    steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
+    real = mask.bool()[..., None]
+    torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+    # the plain "lsh" layer keeps the same cache: the window adds no store
+    lsh_cache = output_cache(AutoModelForCausalLM.from_config(config(attn_layers=["lsh"])).eval()(
+        ids[:, :6], attention_mask=mask[:, :6], use_cache=True)).layers[0]
+    assert set(lsh_cache.buffers) == set(slot.buffers) and set(lsh_cache.sequence) == set(slot.sequence)
+
+
+def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatch):
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(attn_layers=["local", "lsh_window"], reversible=True, window_size=3,
+                                             num_sink_tokens=1, lsh_hash_seed=None, num_hidden_layers=4,
+                                             hidden_dropout_prob=0.1, lsh_attention_probs_dropout_prob=0.2))
+    model = model.double().train()
+    windowed_layers = [m for m in model.modules() if isinstance(m, WindowedLSHAttention)]
+    hash_calls = []
+    real_hash = LSHAttention.hash_vectors
+    monkeypatch.setattr(LSHAttention, "hash_vectors", lambda self, *a: hash_calls.append(self) or real_hash(self, *a))
+    ids = torch.randint(2, 37, (2, 14))
+    results = []
+    for use_reversible_backward in (True, False):
+        model.model.transformer.use_reversible_backward = use_reversible_backward
+        model.zero_grad()
+        hash_calls.clear()
+        torch.manual_seed(123)  # the same rotations and dropout masks (window and far part) in both runs
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        # each layer hashed once: the reversible recomputation read the buckets its forward saved
+        assert sorted(map(id, hash_calls)) == sorted(map(id, windowed_layers))
+    (loss_rev, grads_rev), (loss_ref, grads_ref) = results
+    torch.testing.assert_close(loss_rev, loss_ref, rtol=0, atol=1e-12)
+    for name in grads_ref:
+        torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=name)
+
+
+def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = torch.randint(1, 37, (1, 9))
+    out = loaded.generate(prompt, max_new_tokens=14, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_layers_are_refused():
+    with pytest.raises(ValueError, match="lsh_window"):
+        build_attention("lsh_window", config(), 0, False)

@@ -17,8 +17,11 @@ from attnzoo.modeling.normalization import RMSNorm
 from tests.models.test_family_hybrid import LLAMA_LAYER
 
 KINDS = ["full", "favor", "elu", "ra", "lara", "local", "lsh"]
+#: the kinds with an exact window inside the layer (decoders only); hybrid_config's window of 3 tokens and 1 sink
+#: leaves far keys for the family's own part in every test sequence
+WINDOWED_KINDS = ["favor_window", "lara_window", "ra_window", "lsh_window"]
 #: the modules of each attention kind whose heads are key/value heads (the rest are query heads)
-KEY_VALUE_PROJECTIONS = {"local": ("key", "value"), "lsh": ("value",)}
+KEY_VALUE_PROJECTIONS = {"local": ("key", "value"), "lsh": ("value",), "lsh_window": ("value",)}
 
 
 def hybrid_config(**overrides):
@@ -26,13 +29,13 @@ def hybrid_config(**overrides):
                   intermediate_size=48, hidden_dropout_prob=0.0, num_random_features=16,
                   linear_attention_chunk_size=4, lsh_chunk_length=4, lsh_num_buckets=4,
                   lsh_full_attention_threshold=0, local_chunk_length=4, lara_num_samples=4, lara_chunk_size=3,
-                  pad_token_id=0, is_decoder=True)
+                  window_size=3, num_sink_tokens=1, pad_token_id=0, is_decoder=True)
     values.update(overrides)
     return ZooHybridConfig(**values)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, causal", [(kind, causal) for kind in KINDS for causal in (True, False)]
+                         + [(kind, True) for kind in WINDOWED_KINDS])
 def test_rotary_grouped_attention_fast_path_equals_reference(kind, causal):
     torch.manual_seed(0)
     attn = build_attention(kind, hybrid_config(), 0, causal).double().eval()
@@ -50,7 +53,7 @@ def test_rotary_grouped_attention_fast_path_equals_reference(kind, causal):
     assert not torch.allclose(attn(x, position_ids=positions * 2), fast, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + WINDOWED_KINDS)
 def test_grouped_heads_equal_full_heads_with_repeated_key_value_weights(kind):
     """A model with 2 key/value heads for 4 query heads computes what a 4-head model computes when each of its
     key/value heads is a copy of its group's: the grouping is exactly weight sharing."""
@@ -86,8 +89,8 @@ def test_rotary_attention_depends_on_relative_positions_only(kind):
 
 def test_llama_style_model_decodes_left_padded_prompts_like_each_alone():
     torch.manual_seed(0)
-    model = ZooHybridForCausalLM(hybrid_config(attn_layers=["full", "favor", "lsh", "lara"],
-                                               num_hidden_layers=4)).eval()
+    model = ZooHybridForCausalLM(hybrid_config(attn_layers=["full", "favor", "lsh", "lara", *WINDOWED_KINDS],
+                                               num_hidden_layers=8)).eval()
     prompts = [torch.randint(1, 41, (n,)) for n in (9, 6)]
     batch = torch.zeros(2, 9, dtype=torch.long)
     mask = torch.zeros(2, 9, dtype=torch.long)

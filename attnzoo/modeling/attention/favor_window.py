@@ -140,6 +140,7 @@ class WindowedFavorAttention(FavorAttention):
         log_q, log_k = self._log_features(q, projection), self._log_features(k, projection)
         estimate = torch.exp(log_q[:, :, :, None, :] + log_k[:, :, None, :, :]).mean(-1)
         kernel = exact * near[:, None] + estimate * far[:, None]
-        kernel = kernel + torch.eye(length)[None, None] * (~valid)[:, None, :, None]  # padded queries: themselves
+        own = torch.eye(length, device=q.device, dtype=q.dtype)[None, None]
+        kernel = kernel + own * (~valid)[:, None, :, None]  # padded queries: themselves
         out = kernel @ v / kernel.sum(-1, keepdim=True)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))

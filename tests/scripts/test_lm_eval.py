@@ -44,7 +44,14 @@ ATTENTION = {
                "local_chunk_length": 8, "num_random_features": 16, "linear_attention_chunk_size": 16,
                "window_size": 16, "num_sink_tokens": 2},
     "window": {"window_size": 16, "num_sink_tokens": 2},
+    # every attention with the exact window inside the layer, one per layer
+    "windowed": {"attn_layers": ["favor_window", "lara_window", "ra_window", "lsh_window"], "num_hidden_layers": 4,
+                 "num_random_features": 16, "lara_num_samples": 4, "lara_chunk_size": 8, "lsh_chunk_length": 8,
+                 "window_size": 16, "num_sink_tokens": 2},
 }
+#: the model type of a test model that is no family of its own
+MODEL_TYPES = {"windowed": "hybrid"}
+MODELS = [*FAMILIES, "windowed"]
 LIMIT = 6  # documents per task
 
 
@@ -73,7 +80,8 @@ def checkpoint(tmp_path_factory):
                           hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                           initializer_range=0.3, hidden_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id,
                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-            config = AutoConfig.for_model(f"attnzoo_{family}", **{**values, **ATTENTION.get(family, {})})
+            config = AutoConfig.for_model(f"attnzoo_{MODEL_TYPES.get(family, family)}",
+                                          **{**values, **ATTENTION.get(family, {})})
             torch.manual_seed(0)
             folder = tmp_path_factory.mktemp(f"lm_{family}")
             AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -213,7 +221,7 @@ def test_softmax_conversion_of_gpt2_scores_what_gpt2_scores(tmp_path, local_task
 
 # -- (b) batches score what one-by-one does ----------------------------------------------------------------------
 @needs_lm_eval
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_batched_scores_equal_one_by_one(family, checkpoint, local_tasks):
     """Batch size 4 (right-padded scoring batches, left-padded generation batches) against batch size 1: every
     family is deterministic in evaluation (eval_seed), and padding must not change a document's numbers."""
@@ -246,7 +254,7 @@ def greedy_by_full_forward(model, tokenizer, context: str, max_gen_toks: int, un
 
 
 @needs_lm_eval
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MODELS)
 def test_cached_generation_equals_greedy_full_forward(family, checkpoint, local_tasks):
     folder = checkpoint(family)
     results = evaluate(local_tasks, folder, batch_size=4, tasks=["attnzoo_pydoc_next_word"], limit=8)
@@ -298,7 +306,8 @@ def fresh_env(tmp_path: Path) -> dict:
 
 @needs_lm_eval
 @pytest.mark.parametrize("families", [
-    pytest.param(["hybrid"], id="hybrid"),  # windowed FAVOR+, LSH, local and softmax layers in one model
+    # windowed FAVOR+, LSH, local and softmax layers in one model; every windowed attention in another
+    pytest.param(["hybrid", "windowed"], id="hybrid-and-windowed"),
     pytest.param([f for f in FAMILIES if f != "hybrid"], id="every-family", marks=slow)])
 def test_a_process_without_attnzoo_scores_the_same(tmp_path, checkpoint, local_tasks, families):
     """lm-eval with trust_remote_code=True in a process where attnzoo cannot be imported (the checkpoint's own

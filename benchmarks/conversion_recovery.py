@@ -4,7 +4,7 @@ arXiv 2507.09025; Liger, arXiv 2503.01496), passkey retrieval beyond the trainin
 §4), and the training-free sliding window with attention sinks that every conversion has to beat at an equal decode
 memory budget ("Sliding-window beats linear attention", arXiv 2608.28444).
 
-    nice -n 5 python benchmarks/conversion_recovery.py        # about 40 minutes on 2 idle CPU cores
+    nice -n 5 python benchmarks/conversion_recovery.py        # about an hour on 2 idle CPU cores
 
 One command does all of it, on the English text CPython ships (byte-level; held-out = its last 5%):
 1. the source: transformers' `LlamaForCausalLM` (GQA, RMSNorm, SwiGLU, RoPE), as benchmarks/llama_uptraining.py
@@ -65,19 +65,22 @@ CONVERSIONS = {
     "lsh_window_text_only": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH], False),
 }
 #: the training-free baseline's window sizes (plus the sinks): the equal-memory comparison's ladder
-BASELINE_WINDOWS = (16, 32, 64)
+BASELINE_WINDOWS = (16, 32, 64, 124)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversions", nargs="+", default=list(CONVERSIONS), choices=list(CONVERSIONS))
     p.add_argument("--baseline_windows", type=int, nargs="+", default=list(BASELINE_WINDOWS))
-    p.add_argument("--source_steps", type=int, default=1500, help="training steps of the Llama source")
+    p.add_argument("--source_steps", type=int, default=4000, help="training steps of the Llama source")
+    p.add_argument("--source_train_stride", type=int, default=64,
+                   help="the source's training blocks start every N tokens: more distinct blocks, and as many more "
+                        "distinct passkey sequences")
     p.add_argument("--source_learning_rate", type=float, default=2e-3)
-    p.add_argument("--transfer_steps", type=int, default=100, help="attention-transfer steps")
+    p.add_argument("--transfer_steps", type=int, default=150, help="attention-transfer steps")
     p.add_argument("--transfer_learning_rate", type=float, default=1e-2, help="LoLCATs' stage-1 rate")
-    p.add_argument("--finetune_steps", type=int, default=150, help="fine-tuning steps after the transfer")
-    p.add_argument("--passkey_fraction", type=float, default=0.2,
+    p.add_argument("--finetune_steps", type=int, default=300, help="fine-tuning steps after the transfer")
+    p.add_argument("--passkey_fraction", type=float, default=0.5,
                    help="passkey sequences in the source's, the transfer's and the fine-tuning's data")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--block_size", type=int, default=128, help="the training length")
@@ -89,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length_multiples", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="passkey prompt lengths, in training lengths")
     p.add_argument("--passkey_depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--passkey_trials", type=int, default=3, help="keys per length and depth")
-    p.add_argument("--lm_eval_limit", type=int, default=100, help="documents per lm-eval task")
+    p.add_argument("--passkey_trials", type=int, default=5, help="keys per length and depth")
+    p.add_argument("--lm_eval_limit", type=int, default=200, help="documents per lm-eval task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/conversion_recovery"))
     p.add_argument("--results", type=Path, default=RESULTS / "conversion_recovery.json")
@@ -101,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(args) -> None:
-    for name in ("source_steps", "finetune_steps", "batch", "block_size", "passkey_trials", "lm_eval_limit"):
+    for name in ("source_steps", "source_train_stride", "finetune_steps", "batch", "block_size", "passkey_trials",
+                 "lm_eval_limit"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if any(w < 1 for w in args.baseline_windows):
@@ -322,7 +326,7 @@ def main(argv=None) -> dict:
     if execute := fresh(source):
         save_llama_source_init(source_init, args, special_tokens=True)
     train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
-          execute=execute, extra=passkey_data)
+          execute=execute, extra=[*passkey_data, "--train_stride", args.source_train_stride])
     report = {"source": {**measure(source, args, log, execute), "run": read_run(source)},
               "baselines": {}, "conversions": {}}
 

@@ -10,12 +10,16 @@ What lives here, and why:
   that takes only the old name silently drops the cache and decodes every step from the new token alone. `CACHE_KW`
   is the name of the installed version; `take_cache` accepts any of the names in a forward, `with_cache` writes an
   output under the current one and `output_cache` reads it back.
-- **The generation hooks** that hand `generate()` the model's own cache (`GenerationHooks`).
+- **The generation hooks** that hand `generate()` the model's own cache, and keep the 2-D padding mask that it would
+  turn into 4-D masks for a static cache (`GenerationHooks`).
 - **Activation checkpointing**: the method that enables it was renamed in 5.23 (`gradient_checkpointing_enable` to
   `activation_checkpointing_enable`; attnzoo calls it through `enable_activation_checkpointing`),
   and `GradientCheckpointingLayer` nulls a differently named cache keyword in each release, so attnzoo drops the
   cache itself while blocks are checkpointed (`drops_cache_under_checkpointing`).
 - **The Trainer's inference keys** (`CACHE_NAMES`): the outputs the Trainer must not gather during evaluation.
+- **Static cache slots** (`static_written_length`): a `StaticLayer` returns its whole preallocated key/value
+  tensors from `update()`, unwritten slots included, and counts what was written in its `cumulative_length` tensor;
+  softmax attention masks the rest by that count (no host sync, so a decode step stays capturable).
 """
 
 from __future__ import annotations
@@ -111,3 +115,18 @@ class GenerationHooks:
             raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
                              f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
         model_kwargs[CACHE_KW] = self.new_decoding_cache()
+
+    def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
+        """generate() turns the 2-D padding mask into 4-D causal masks when the cache is compileable (a caller's
+        `StaticCache`), through this model-overridable hook; attnzoo's attentions build their causal, window and
+        static-slot masks from the 2-D padding mask themselves, so it is passed on unchanged."""
+        return attention_mask
+
+
+def static_written_length(slot) -> torch.Tensor | None:
+    """For a preallocated (static) cache slot after `update()`: the number of key positions written so far, a tensor
+    on the slot's device; None for any other slot (its keys are exactly the written ones)."""
+    written = getattr(slot, "cumulative_length", None)
+    if isinstance(written, torch.Tensor) and getattr(slot, "max_cache_len", None) is not None:
+        return written
+    return None

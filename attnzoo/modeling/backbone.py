@@ -106,6 +106,7 @@ class ZooBlock(GradientCheckpointingLayer):
         `recompute` is the reversible stack's `Recomputation` for this block (see attention/base.py);
         `position_ids` reach attentions with rotary positions."""
         self_cache = getattr(cache, "self_attention_cache", cache)
+        self.attn.check_cache_slot(self_cache)
         extra = {"recompute": recompute} if isinstance(self.attn, UsesRecomputation) else {}
         if getattr(self.attn, "rotary", None) is not None:
             extra["position_ids"] = position_ids

@@ -177,6 +177,24 @@ class ZooAttention(nn.Module):
         """This layer's slot of a cache, or None without one."""
         return cache.layers[self.layer_idx] if cache is not None else None
 
+    def cache_layer_types(self) -> tuple[type, ...]:
+        """The cache slot classes this attention reads and writes correctly (by default: its own
+        `new_cache_layer()`'s)."""
+        return (type(self.new_cache_layer()),)
+
+    def check_cache_slot(self, cache) -> None:
+        """Refuse a cache whose slot for this layer holds another kind of state (e.g. a transformers `StaticCache`
+        or `DynamicCache` in front of a recurrent FAVOR+ layer), which would be read wrongly and silently. A slot not
+        created yet (a `DynamicCache()` adds them as layers write) is left to the cache."""
+        if cache is None or self.layer_idx >= len(getattr(cache, "layers", ())):
+            return
+        slot, accepted = cache.layers[self.layer_idx], self.cache_layer_types()
+        if type(slot) not in accepted:
+            names = " or ".join(kind.__name__ for kind in accepted)
+            raise ValueError(f"the cache passed holds a {type(slot).__name__} for layer {self.layer_idx}, whose "
+                             f"{self.name!r} attention decodes from a {names}; pass no cache (the model builds its "
+                             "own, as generate() does) or one from model.new_decoding_cache().")
+
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, length, heads * head_dim] -> [batch, heads, length, head_dim] (key/value projections of a
         grouped-query model give fewer heads: the count follows from the width)."""

@@ -188,16 +188,20 @@ def bits_per_dim(folder: Path, out: Path, args, log: list[str], execute: bool) -
 RECOVERY_METRICS = (("endings/acc_norm", True), ("next_word/exact_match", True), ("perplexity/bits_per_byte", False))
 
 
-def recovery(scores: dict[str, float], source: dict[str, float]) -> dict[str, float]:
+def recovery(scores: dict[str, float], source: dict[str, float]) -> dict:
     """Each lm-eval figure as a ratio to the source's (source / model where lower is better, so 1 = as good as the
-    source, above 1 = better), and their average."""
-    ratios = {}
+    source, above 1 = better), and their average. A figure the source scores 0 on has no ratio: it is listed under
+    "undefined" and left out of the average."""
+    ratios, undefined = {}, []
     for key, higher in RECOVERY_METRICS:
         model_value, source_value = scores[key], source[key]
-        ratios[key] = (model_value / source_value if higher else source_value / model_value) if model_value and \
-            source_value else 0.0
-    ratios["average"] = sum(ratios.values()) / len(RECOVERY_METRICS)
-    return ratios
+        if not source_value:
+            undefined.append(key)
+        elif higher:
+            ratios[key] = model_value / source_value
+        else:
+            ratios[key] = source_value / model_value if model_value else float("inf")
+    return {**ratios, "average": sum(ratios.values()) / len(ratios) if ratios else None, "undefined": undefined}
 
 
 def measure(folder: Path, args, log: list[str], execute: bool) -> dict:
@@ -249,8 +253,8 @@ def summarize(report: dict) -> dict:
             row["equal_memory_baseline"] = match
             row["beats_equal_memory_baseline"] = {
                 "bits_per_dim": r["bits_per_dim"] < other["bits_per_dim"],
-                "lm_eval_recovery": row["lm_eval_recovery"]["average"] > (
-                    recovery(other["lm_eval"], source["lm_eval"])["average"]),
+                "lm_eval_recovery": (row["lm_eval_recovery"]["average"] or 0) > (
+                    recovery(other["lm_eval"], source["lm_eval"])["average"] or 0),
                 "passkey_at_4x": (r["passkey_accuracy"][four_x] or 0) > (other["passkey_accuracy"][four_x] or 0)}
             row["train_tokens"] = r["train_tokens"]
             row["train_seconds"] = r["train_seconds"]
@@ -283,10 +287,14 @@ def results_table(report: dict) -> str:
         verdict = "" if beaten is None else f"{row['equal_memory_baseline']}: " + ", ".join(
             "yes" if beaten[k] else "no" for k in ("bits_per_dim", "lm_eval_recovery", "passkey_at_4x"))
         lines.append(f"| {name} | {row['bits_per_dim']:.3f} ({row['bits_per_dim_ratio']:.2f}) | "
-                     f"{row['lm_eval_recovery']['average']:.3f} | "
+                     f"{_ratio(row['lm_eval_recovery']['average'])} | "
                      + " | ".join(_percent(row["passkey_accuracy"][n]) for n in lengths)
                      + f" | {state / 1024:.0f} | {verdict} |")
     return "\n".join(lines)
+
+
+def _ratio(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _percent(value) -> str:

@@ -46,7 +46,12 @@ def test_recovery_ratios_invert_lower_is_better_metrics():
     ratios = bench.recovery({**SOURCE_LM_EVAL, "endings/acc_norm": 0.25, "perplexity/bits_per_byte": 4.0},
                             SOURCE_LM_EVAL)
     assert ratios == {"endings/acc_norm": 0.5, "next_word/exact_match": 1.0, "perplexity/bits_per_byte": 0.5,
-                      "average": pytest.approx(2 / 3)}
+                      "average": pytest.approx(2 / 3), "undefined": []}
+    # a figure the source scores 0 on has no ratio: it leaves the average
+    ratios = bench.recovery({**SOURCE_LM_EVAL, "next_word/exact_match": 0.1},
+                            {**SOURCE_LM_EVAL, "next_word/exact_match": 0.0})
+    assert ratios == {"endings/acc_norm": 1.0, "perplexity/bits_per_byte": 1.0, "average": 1.0,
+                      "undefined": ["next_word/exact_match"]}
 
 
 def test_equal_memory_comparison_and_goals():

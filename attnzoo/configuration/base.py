@@ -60,6 +60,11 @@ def transformers_config_keys() -> frozenset[str]:
     return frozenset(names | set(GenerationConfig().to_dict()) | _TRANSFORMERS_EXTRA_KEYS)
 
 
+def default_num_random_features(head_dim: int) -> int:
+    """Random features per head when none is set: round(d · ln d), at least 1 (see ZooPerformerConfig)."""
+    return max(1, round(head_dim * math.log(max(head_dim, 1))))
+
+
 def _near_square_factors(n: int) -> tuple[int, int]:
     """The factor pair (a, b) of the smallest power of two >= n with a*b >= n and a, b as close as possible."""
     total = 1 << max(0, (n - 1).bit_length())
@@ -192,6 +197,8 @@ class ZooConfig(PreTrainedConfig):
         self.decoder_attn_layers = list(self.decoder_attn_layers)
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_hidden_layers
+        if hasattr(self, "num_random_features") and self.num_random_features is None:
+            self.num_random_features = default_num_random_features(self.hidden_size // self.num_attention_heads)
         if self.position_embedding_type == "axial":
             if self.axial_pos_shape is None:
                 self.axial_pos_shape = _near_square_factors(self.max_position_embeddings)

@@ -64,8 +64,9 @@ CONVERSIONS = {
                                 True),
     "lsh_window_text_only": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH], False),
 }
-#: the training-free baseline's window sizes (plus the sinks): the equal-memory comparison's ladder
-BASELINE_WINDOWS = (16, 32, 64, 124)
+#: the training-free baseline's window sizes (plus the sinks): the equal-memory comparison's ladder, up to half of
+#: the longest passkey prompt (at the training length and below, 124 and more are the source itself)
+BASELINE_WINDOWS = (16, 32, 64, 124, 252, 508)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,13 +150,13 @@ def decode_state_bytes(folder: Path, lengths: list[int], seed: int) -> dict[str,
     return sizes
 
 
-def passkey(folder: Path, out: Path, args, log: list[str], execute: bool) -> dict:
+def passkey(folder: Path, out: Path, args, log: list[str]) -> dict:
     """benchmarks/passkey_retrieval.py on one model at the length multiples (its model card gets the figures)."""
     lengths = [args.block_size * m for m in args.length_multiples]
     result_file = out / "passkey.json"
     run(["benchmarks/passkey_retrieval.py", "--model", folder, "--lengths", *lengths, "--depths",
          *args.passkey_depths, "--trials", args.passkey_trials, "--seed", args.seed, "--no_task_description",
-         "--results", result_file], log, execute and not result_file.is_file())
+         "--results", result_file], log, not result_file.is_file())
     model = next(iter(json.loads(result_file.read_text())["models"].values()))
     return {str(args.block_size * m): _mean(model["accuracy"][str(args.block_size * m)].values())
             for m in args.length_multiples}
@@ -166,24 +167,28 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def lm_eval(folder: Path, out: Path, args, log: list[str], execute: bool) -> dict[str, float]:
+def lm_eval(folder: Path, out: Path, args, log: list[str]) -> dict[str, float]:
     """attnzoo's local lm-eval tasks through scripts/evaluate.py (the model card gets the figures): {task/metric:
     value}."""
     result_file = out / "lm_eval.json"
+    # The byte-level models trained on raw bytes and never saw the tokenizer's special tokens, whose embeddings are
+    # still their initial draws: rolling log-likelihoods start after a newline (the start of a paragraph), not
+    # after lm-eval's default prefix, the BOS token. The same for every model, the source included.
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--lm_eval_tasks", "attnzoo_pydoc",
-         "--lm_eval_limit", args.lm_eval_limit, "--output_file", result_file], log,
-        execute and not result_file.is_file())
+         "--lm_eval_limit", args.lm_eval_limit, "--lm_eval_model_args", f"prefix_token_id={NEWLINE}",
+         "--output_file", result_file], log, not result_file.is_file())
     rows = json.loads(result_file.read_text())["lm_eval"]
     return {f"{r['task'].removeprefix('attnzoo_pydoc_')}/{r['metric']}": r["value"] for r in rows}
 
 
-def bits_per_dim(folder: Path, out: Path, args, log: list[str], execute: bool) -> float:
+def bits_per_dim(folder: Path, out: Path, args, log: list[str]) -> float:
     result_file = out / "evaluation.json"
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--block_size", args.block_size,
-         "--output_file", result_file], log, execute and not result_file.is_file())
+         "--output_file", result_file], log, not result_file.is_file())
     return json.loads(result_file.read_text())["bits_per_dim"]
 
 
+NEWLINE = 10  # the byte-level tokenizer's id of "\n"
 #: the lm-eval figures the recovery average is taken over: (key, higher is better)
 RECOVERY_METRICS = (("endings/acc_norm", True), ("next_word/exact_match", True), ("perplexity/bits_per_byte", False))
 
@@ -204,16 +209,18 @@ def recovery(scores: dict[str, float], source: dict[str, float]) -> dict:
     return {**ratios, "average": sum(ratios.values()) / len(ratios) if ratios else None, "undefined": undefined}
 
 
-def measure(folder: Path, args, log: list[str], execute: bool) -> dict:
+def measure(folder: Path, args, log: list[str]) -> dict:
+    """Every figure of one saved model, each computed when its file in `recovery_evaluation/` is missing (a model
+    trained anew starts from an empty folder)."""
     out = folder / "recovery_evaluation"
     out.mkdir(exist_ok=True)
     state_file = out / "decode_state_bytes.json"
-    if execute or not state_file.is_file():
+    if not state_file.is_file():
         state_file.write_text(json.dumps(decode_state_bytes(folder, [args.block_size, 8 * args.block_size],
                                                             args.seed)))
-    return {"bits_per_dim": bits_per_dim(folder, out, args, log, execute),
-            "lm_eval": lm_eval(folder, out, args, log, execute),
-            "passkey_accuracy": passkey(folder, out, args, log, execute),
+    return {"bits_per_dim": bits_per_dim(folder, out, args, log),
+            "lm_eval": lm_eval(folder, out, args, log),
+            "passkey_accuracy": passkey(folder, out, args, log),
             "decode_state_bytes": json.loads(state_file.read_text())}
 
 
@@ -335,7 +342,7 @@ def main(argv=None) -> dict:
         save_llama_source_init(source_init, args, special_tokens=True)
     train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
           execute=execute, extra=[*passkey_data, "--train_stride", args.source_train_stride])
-    report = {"source": {**measure(source, args, log, execute), "run": read_run(source)},
+    report = {"source": {**measure(source, args, log), "run": read_run(source)},
               "baselines": {}, "conversions": {}}
 
     for window in args.baseline_windows:
@@ -344,7 +351,7 @@ def main(argv=None) -> dict:
         execute = fresh(folder, "config.json")
         run(["-m", "attnzoo.convert.llama", source, folder, "--family", "window", "--seed", args.seed, "--config",
              f"window_size={window}", f"num_sink_tokens={SINKS}"], log, execute)
-        report["baselines"][name] = {"window_size": window, "sinks": SINKS, **measure(folder, args, log, execute)}
+        report["baselines"][name] = {"window_size": window, "sinks": SINKS, **measure(folder, args, log)}
 
     for name in args.conversions:
         family, settings, with_passkey = CONVERSIONS[name]
@@ -368,7 +375,7 @@ def main(argv=None) -> dict:
             "family": family, "settings": settings, "passkey_data": with_passkey,
             "train_tokens": sum(r["train_steps"] for r in runs) * args.batch * args.block_size,
             "train_seconds": round(sum(r["train_seconds"] for r in runs), 1),
-            "transferred": len(runs) == 2, **measure(finetuned, args, log, execute)}
+            "transferred": len(runs) == 2, **measure(finetuned, args, log)}
 
     setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
              if k not in ("retrain", "readme_only")}

@@ -39,8 +39,8 @@ def test_every_readme_code_block_runs(tmp_path):
     for folder in ("scripts", "recipes"):  # the commands name them relative to the checkout
         (tmp_path / folder).symlink_to(ROOT / folder)
     blocks = code_blocks()
-    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash"]
-    main_job, tests, load, new_model, fine_tune, open_llm = (code for _, code in blocks)
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash", "bash"]
+    main_job, tests, load, new_model, fine_tune, open_llm, judge = (code for _, code in blocks)
 
     commands = [c for c in main_job.strip().split(" && ") if not c.startswith("pip install")]
     assert main_job.startswith('pip install -e ".[vision,dev]" && ') and len(commands) == 1
@@ -72,4 +72,13 @@ def test_every_readme_code_block_runs(tmp_path):
         run_command(line, tmp_path)
     card = (tmp_path / "runs" / "smollm-favor-finetuned" / "README.md").read_text()
     assert "attnzoo_pydoc" in card
+
+    # Judging a conversion: LSH with a window inside every layer, fine-tuned on text with passkey sequences, scored
+    # by lm-eval and passkey retrieval; both write the model card.
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    for line in judge.strip().splitlines():
+        run_command(line, tmp_path)
+    card = (tmp_path / "runs" / "smollm-lsh-finetuned" / "README.md").read_text()
+    assert "attnzoo_pydoc" in card and "## Passkey retrieval" in card
+    assert "| 4096 tokens |" in card
 

@@ -381,7 +381,8 @@ def main(argv=None) -> dict:
              if k not in ("retrain", "readme_only")}
     setup.update(source_model="transformers LlamaForCausalLM (GQA, RMSNorm, SwiGLU, RoPE)",
                  corpus="CPython pydoc topics, byte-level, with passkey sequences mixed in",
-                 conversions={n: CONVERSIONS[n] for n in args.conversions},
+                 conversions={n: dict(zip(("family", "settings", "passkey_data"), CONVERSIONS[n], strict=True))
+                              for n in args.conversions},
                  finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
                  recovery_metrics=[k for k, _ in RECOVERY_METRICS])
     report = {"setup": setup, **report}

@@ -32,7 +32,8 @@ def captured_call(module, attention_cls, monkeypatch, batch, length, key_mask=No
     attn = attention_cls(ZooReformerConfig(**values), 0, causal).eval()
     calls = []
 
-    def capture(q, k, v, mask, scale=1.0, dropout_p=0.0, save_probs=False):
+    def capture(q, k, v, mask, scale=1.0, dropout_p=0.0, save_probs=False, backend="auto"):
+        assert backend == "auto"  # the plain layers let the dispatcher pick the kernel
         calls.append((q.detach(), k.detach(), v.detach(), mask, scale))
         return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
 

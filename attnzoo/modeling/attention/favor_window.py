@@ -26,6 +26,7 @@ from attnzoo.modeling.attention.base import check_attention_mask, register_atten
 from attnzoo.modeling.attention.favor import FavorAttention
 from attnzoo.modeling.attention.random_features import log_positive_features
 from attnzoo.modeling.attention.window import (
+    WindowInsideLayer,
     WindowStateLayer,
     gather_tokens,
     left_align,
@@ -47,20 +48,17 @@ from attnzoo.ops.windowed_attention import mask_values
 
 
 @register_attention("favor_window")
-class WindowedFavorAttention(FavorAttention):
+class WindowedFavorAttention(WindowInsideLayer, FavorAttention):
     """Exact window and sinks plus FAVOR+ beyond them, one softmax normalisation; see the module docstring."""
 
+    plain_kind = "favor"
+
     def __init__(self, config, layer_idx: int, causal: bool):
-        if not causal:
-            raise ValueError("attention 'favor_window' is for causal (decoder) layers; use 'favor' or 'window' in "
-                             "encoders.")
         super().__init__(config, layer_idx, causal)
-        self.window = config.window_size
-        self.sinks = config.num_sink_tokens
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def new_cache_layer(self):
-        return WindowStateLayer(self.window, self.sinks)
+        return WindowStateLayer(self.window_size, self.sinks)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
@@ -84,11 +82,11 @@ class WindowedFavorAttention(FavorAttention):
         q, k_grouped, v_grouped = (gather_tokens(x, order) for x in (q, k, v))
         k, v = self.expand_kv(k_grouped), self.expand_kv(v_grouped)
         n_real = valid.sum(-1)
-        scores, values = window_scores(q, k, v, n_real, self.window, self.sinks, True, self.scale)  # [B,H,C,w,K]
+        scores, values = window_scores(q, k, v, n_real, self.window_size, self.sinks, True, self.scale)  # [B,H,C,w,K]
         log_q, log_k = self._log_features(q, projection), self._log_features(k, projection)
         # (1/m) Σ_r exp(ℓ_r(q) + ℓ_r(k)): the 1/m goes into the query log-features
         far = blocked_far_part(log_q - math.log(log_q.shape[-1]), log_k, v, far_key_mask(n_real, self.sinks, length),
-                               self.window)
+                               self.window_size)
         out = combine(scores, values, *far).reshape(batch, heads, -1, dim)[:, :, :length]
         if layer is not None:
             self._start_state(layer, k_grouped, v_grouped, n_real, log_k, v)
@@ -101,7 +99,7 @@ class WindowedFavorAttention(FavorAttention):
         positions sinks .. n_real - window - 1."""
         layer.start(k, v, n_real)
         position = torch.arange(k.shape[2], device=k.device)
-        gone = (position[None, :] >= self.sinks) & (position[None, :] < (n_real - self.window)[:, None])
+        gone = (position[None, :] >= self.sinks) & (position[None, :] < (n_real - self.window_size)[:, None])
         layer.state.update(far_sums(log_k, v_expanded, gone))
 
     def _step(self, q, k, v, real, layer, projection):
@@ -110,7 +108,7 @@ class WindowedFavorAttention(FavorAttention):
         # the token leaving the window (position - w) joins the far sums unless it is a sink or not there
         leaving_k, leaving_v = state["window_k"][:, :, :1], state["window_v"][:, :, :1]
         leaving_pos = state["window_pos"][:, 0]
-        joins = real & (leaving_pos >= self.sinks) & (leaving_pos == position - self.window)
+        joins = real & (leaving_pos >= self.sinks) & (leaving_pos == position - self.window_size)
         log_k = self._log_features(self.expand_kv(leaving_k), projection).squeeze(2)  # [B, H, m]
         state.update(add_far_key(state["kv_sum"], state["key_sum"], state["key_level"], log_k,
                                  self.expand_kv(leaving_v).squeeze(2), joins))
@@ -135,7 +133,7 @@ class WindowedFavorAttention(FavorAttention):
                                                                  device=hidden_states.device)
         q, k, v = self._heads(hidden_states, position_ids)  # key/value heads repeated for their groups
         projection = self.projection(None)
-        near, far = dense_near_and_far(valid, self.window, self.sinks)
+        near, far = dense_near_and_far(valid, self.window_size, self.sinks)
         exact = torch.exp((q @ k.transpose(-1, -2)) * self.scale)
         log_q, log_k = self._log_features(q, projection), self._log_features(k, projection)
         estimate = torch.exp(log_q[:, :, :, None, :] + log_k[:, :, None, :, :]).mean(-1)

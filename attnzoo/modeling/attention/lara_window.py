@@ -39,6 +39,7 @@ from attnzoo.modeling.attention.base import check_attention_mask, register_atten
 from attnzoo.modeling.attention.lara_causal import CausalLARA, LaraStateLayer
 from attnzoo.modeling.attention.random_features import log_features_at
 from attnzoo.modeling.attention.window import (
+    WindowInsideLayer,
     gather_tokens,
     left_align,
     new_token_inputs,
@@ -59,16 +60,13 @@ from attnzoo.ops.windowed_attention import mask_values
 
 
 @register_attention("lara_window")
-class WindowedLARA(CausalLARA):
+class WindowedLARA(WindowInsideLayer, CausalLARA):
     """Exact window and sinks plus causal LARA beyond them, one softmax normalisation; see the module docstring."""
 
+    plain_kind = "lara"
+
     def __init__(self, config, layer_idx: int, causal: bool):
-        if not causal:
-            raise ValueError("attention 'lara_window' is for causal (decoder) layers; use 'lara' or 'window' in "
-                             "encoders.")
         super().__init__(config, layer_idx, causal)
-        self.window = config.window_size
-        self.sinks = config.num_sink_tokens
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def new_cache_layer(self):
@@ -93,10 +91,10 @@ class WindowedLARA(CausalLARA):
         q, k_grouped, v_grouped = (gather_tokens(x, order) for x in (q, k, v))
         k, v = self.expand_kv(k_grouped), self.expand_kv(v_grouped)
         n_real = valid.sum(-1)
-        scores, values = window_scores(q, k, v, n_real, self.window, self.sinks, True, self.scale)  # [B,H,C,w,K]
+        scores, values = window_scores(q, k, v, n_real, self.window_size, self.sinks, True, self.scale)  # [B,H,C,w,K]
         terms = self._causal_terms(q, k, v, n_real)
         far = blocked_far_part(terms["log_a"], terms["log_k"], v, far_key_mask(n_real, self.sinks, length),
-                               self.window)
+                               self.window_size)
         out = combine(scores, values, *far).reshape(batch, heads, -1, dim)[:, :, :length]
         if layer is not None:
             self._start_state(layer, q, k, k_grouped, v_grouped, v, n_real, terms)
@@ -110,7 +108,7 @@ class WindowedLARA(CausalLARA):
         chunk, length = self.chunk_size, q.shape[2]
         counts = n_real.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         position = torch.arange(length, device=q.device)[None, :]
-        gone = (position >= self.sinks) & (position < (n_real - self.window)[:, None])
+        gone = (position >= self.sinks) & (position < (n_real - self.window_size)[:, None])
         in_partial = terms["token_valid"] & (position >= (n_real // chunk * chunk)[:, None])
         partial = in_partial[:, None, :, None].to(q.dtype)
         layer.start(counts, length, k_hat=k_grouped * self.head_dim ** -0.25, v=v_grouped, omega=terms["omega"],
@@ -127,7 +125,7 @@ class WindowedLARA(CausalLARA):
         key_scale = self.head_dim ** -0.25
         position = torch.tensor(layer.counts, device=q.device)  # [B]: this token's position
         # the key at position - window leaves the window; it joins the far sums unless it is a sink or not there
-        leaving = position - self.window
+        leaving = position - self.window_size
         joins = leaving >= self.sinks  # sinks >= 0, so a position before the start never joins
         leaving_k = self._stored(state["k_hat"], leaving.clamp(min=0)[:, None])
         leaving_v = self._stored(state["v"], leaving.clamp(min=0)[:, None])
@@ -139,7 +137,7 @@ class WindowedLARA(CausalLARA):
         layer.append_token(k * key_scale, v, **far, q_sum=q_sum, k_sum=k_sum)
         # the window part: sinks outside the window, then positions position - window + 1 .. position
         sink_index = torch.arange(self.sinks, device=q.device)[None, :].expand(len(layer.counts), -1)
-        window_index = leaving[:, None] + 1 + torch.arange(self.window, device=q.device)[None, :]
+        window_index = leaving[:, None] + 1 + torch.arange(self.window_size, device=q.device)[None, :]
         allowed = torch.cat([sink_index <= leaving[:, None], window_index >= 0], dim=1)  # [B, S + W]
         index = torch.cat([sink_index, window_index.clamp(min=0)], dim=1)
         keys = self.expand_kv(self._stored(layer.state["k_hat"], index))
@@ -172,7 +170,7 @@ class WindowedLARA(CausalLARA):
         keys, values = self.expand_kv(state["k_hat"][rows_t]), self.expand_kv(state["v"][rows_t])
         count = torch.tensor([layer.counts[r] for r in rows], device=keys.device)
         position = torch.arange(keys.shape[2], device=keys.device)[None, :]
-        gone = (position >= self.sinks) & (position < (count - self.window)[:, None])
+        gone = (position >= self.sinks) & (position < (count - self.window_size)[:, None])
         log_k = log_features_at(keys, omega.unsqueeze(2))  # [rows, H, N, 1]
         far = {name: value.squeeze(2) for name, value in far_sums(log_k, values, gone).items()}
         layer.set_proposals(rows, [layer.counts[r] // chunk for r in rows], omega=omega, mu=mu, q_bar=q_bar, **far)
@@ -194,7 +192,7 @@ class WindowedLARA(CausalLARA):
         aligned_q, aligned_k, aligned_v = (gather_tokens(x, order) for x in (q, k, v))
         terms = self._causal_terms(aligned_q, aligned_k, aligned_v, valid.sum(-1))
         log_a, log_k = (restore_order(terms[name], order) for name in ("log_a", "log_k"))
-        near, far = dense_near_and_far(valid, self.window, self.sinks)
+        near, far = dense_near_and_far(valid, self.window_size, self.sinks)
         exact = torch.exp((q @ k.transpose(-1, -2)) * self.scale)
         estimate = torch.exp(log_a[:, :, :, None, :] + log_k[:, :, None, :, :]).sum(-1)
         kernel = exact * near[:, None] + estimate * far[:, None]

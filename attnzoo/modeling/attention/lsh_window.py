@@ -48,7 +48,13 @@ from attnzoo.modeling.attention.lsh_hashing import (
     recent_keys_by_bucket,
     sort_by_bucket,
 )
-from attnzoo.modeling.attention.window import gather_tokens, left_align, restore_order, window_scores
+from attnzoo.modeling.attention.window import (
+    WindowInsideLayer,
+    gather_tokens,
+    left_align,
+    restore_order,
+    window_scores,
+)
 from attnzoo.modeling.cache import TokenBufferLayer
 from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple
 
@@ -69,19 +75,13 @@ class FarKeyMask(WindowMask):
 
 
 @register_attention("lsh_window")
-class WindowedLSHAttention(LSHAttention):
+class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
     """Exact window and sinks plus LSH beyond them, one softmax normalisation; see the module docstring."""
 
     # FarKeyMask adds a condition that only the PyTorch path reads.
     window_backend = "torch"
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        if not causal:
-            raise ValueError("attention 'lsh_window' is for causal (decoder) layers; use 'lsh' or 'window' in "
-                             "encoders.")
-        super().__init__(config, layer_idx, causal)
-        self.window_size = config.window_size
-        self.sinks = config.num_sink_tokens
+    plain_kind = "lsh"
 
     def window_mask(self, **fields) -> FarKeyMask:
         # A query's own key is always in its window, so the far part has no self penalty: a query without far keys

@@ -40,6 +40,7 @@ import torch
 
 from attnzoo.modeling.attention.base import register_attention
 from attnzoo.modeling.attention.randomized import RandomizedAttention, randomized_aggregate
+from attnzoo.modeling.attention.window import WindowInsideLayer
 
 
 def real_positions(key_mask: torch.Tensor | None, batch: int, keys: int, device) -> torch.Tensor:
@@ -69,20 +70,14 @@ def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
 
 
 @register_attention("ra_window")
-class WindowedRandomizedAttention(RandomizedAttention):
+class WindowedRandomizedAttention(WindowInsideLayer, RandomizedAttention):
     """Exact window and sinks plus RA over the far keys, one softmax normalisation; see the module docstring."""
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        if not causal:
-            raise ValueError("attention 'ra_window' is for causal (decoder) layers; use 'ra' or 'window' in "
-                             "encoders.")
-        super().__init__(config, layer_idx, causal)
-        self.window = config.window_size
-        self.sinks = config.num_sink_tokens
+    plain_kind = "ra"
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
-        near, far = near_and_far_keys(allowed, key_mask, self.window, self.sinks)
+        near, far = near_and_far_keys(allowed, key_mask, self.window_size, self.sinks)
         sampled = keys_to_sample(far)
         far_value = randomized_aggregate(self.sample_omega(q_hat, k_hat, sampled, key_mask), k_hat, v, sampled)
         scores = q_hat @ k_hat.transpose(-1, -2)
@@ -108,7 +103,7 @@ class WindowedRandomizedAttention(RandomizedAttention):
         key_index = torch.arange(keys, device=q_hat.device)
         real_key = key_mask if key_mask is not None else torch.ones(1, keys, dtype=torch.bool, device=q_hat.device)
         earlier_real = (key_index[None, None, :] <= query_index[None, :, None]) & real_key[:, None, :]
-        in_window = query_positions[:, :, None] - positions[:, None, :] < self.window
+        in_window = query_positions[:, :, None] - positions[:, None, :] < self.window_size
         is_sink = positions[:, None, :] < self.sinks
         own = key_index[None, None, :] == query_index[None, :, None]
         near = (earlier_real & (in_window | is_sink)) | (own & ~real_key[:, keys - queries:, None])

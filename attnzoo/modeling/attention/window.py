@@ -85,6 +85,23 @@ def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale:
     return scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0]), values
 
 
+class WindowInsideLayer:
+    """Mixin of the attentions that keep an exact window with sinks inside the layer beside their family's own
+    attention ("favor_window", "lara_window", "ra_window", "lsh_window"): decoders only, and the window settings
+    `window_size` and `num_sink_tokens` of the config as `self.window_size` and `self.sinks`. Subclasses name the
+    family's plain attention (`plain_kind`) for the encoder refusal."""
+
+    plain_kind: str
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        if not causal:
+            raise ValueError(f"attention {self.name!r} is for causal (decoder) layers; use {self.plain_kind!r} or "
+                             "'window' in encoders.")
+        super().__init__(config, layer_idx, causal)
+        self.window_size = config.window_size
+        self.sinks = config.num_sink_tokens
+
+
 class WindowStateLayer(RecurrentStateLayer):
     """Decoding state of a window-with-sinks layer: the sinks' keys and values [B, kv_heads, S, d] with their
     validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),

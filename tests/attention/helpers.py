@@ -44,6 +44,22 @@ def assert_cached_decoding_equals_full_forward(model, ids, prefix: int, rtol=1e-
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=rtol, atol=atol)
 
 
+def saved_loaded_and_generating_like_the_full_forward(model, folder, vocab: int, new_tokens: int = 10):
+    """Save `model` to `folder` and load it back with `AutoModelForCausalLM`; greedy generation from a 9-token prompt
+    must give the logits of the original model's full forward over the generated sequence. Returns the loaded
+    model."""
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = torch.randint(1, vocab, (1, 9))
+    out = loaded.generate(prompt, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True)
+    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
+                               rtol=1e-5, atol=1e-5)
+    return loaded
+
+
 def scaled_qkv(n=12, seed=0, heads=1, batch=1, dim=8):
     """Pre-scaled q̂, k̂ (and v) of the randomized attentions, [batch, heads, n, dim] float64, seeded."""
     g = torch.Generator().manual_seed(seed)

@@ -12,6 +12,7 @@ from attnzoo import ZooHybridConfig
 from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.window import WindowStateLayer
 from attnzoo.transformers_compat import output_cache
+from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
 
 
 def config(**overrides):
@@ -84,13 +85,7 @@ def test_decoding_state_is_bounded_and_equals_the_full_forward():
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(feature_redraw="learned")).eval()
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    prompt = torch.randint(1, 37, (1, 9))
-    out = loaded.generate(prompt, max_new_tokens=10, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
-                               rtol=1e-5, atol=1e-5)
+    loaded = saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=10)
     assert [n for n, _ in loaded.model.transformer.blocks[0].attn.own_parameters()] == ["learned_projection"]
 
 

@@ -14,6 +14,7 @@ from attnzoo import ZooHybridConfig
 from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.lara_causal import LaraStateLayer
 from attnzoo.transformers_compat import output_cache
+from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
 
 
 def config(**overrides):
@@ -153,13 +154,7 @@ def test_decoding_across_chunk_completions_equals_the_full_forward_and_stores_no
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config()).eval()
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    prompt = torch.randint(1, 37, (1, 9))
-    out = loaded.generate(prompt, max_new_tokens=10, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
-                               rtol=1e-5, atol=1e-5)
+    loaded = saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=10)
     assert [n for n, _ in loaded.model.transformer.blocks[0].attn.own_parameters()] == [
         "landmark_q.0.weight", "landmark_q.0.bias", "landmark_q.1.weight", "landmark_q.1.bias",
         "landmark_k.0.weight", "landmark_k.0.bias", "landmark_k.1.weight", "landmark_k.1.bias"]

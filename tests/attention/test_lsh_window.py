@@ -17,7 +17,11 @@ from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normaliz
 from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
 from attnzoo.modeling.cache import TokenBufferLayer
 from attnzoo.transformers_compat import output_cache
-from tests.attention.helpers import assert_same_values_and_gradients, lm_config
+from tests.attention.helpers import (
+    assert_same_values_and_gradients,
+    lm_config,
+    saved_loaded_and_generating_like_the_full_forward,
+)
 
 LENGTH = 23
 
@@ -206,13 +210,7 @@ def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatc
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config()).eval()
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    prompt = torch.randint(1, 37, (1, 9))
-    out = loaded.generate(prompt, max_new_tokens=14, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
-                               rtol=1e-5, atol=1e-5)
+    saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=14)
 
 
 def test_encoder_layers_are_refused():

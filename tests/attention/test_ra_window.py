@@ -19,7 +19,11 @@ from attnzoo.modeling.attention.base import allowed_keys
 from attnzoo.modeling.attention.ra_window import WindowedRandomizedAttention, keys_to_sample, near_and_far_keys
 from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_omega
 from attnzoo.transformers_compat import output_cache
-from tests.attention.helpers import assert_same_values_and_gradients, scaled_qkv
+from tests.attention.helpers import (
+    assert_same_values_and_gradients,
+    saved_loaded_and_generating_like_the_full_forward,
+    scaled_qkv,
+)
 
 
 def config(**overrides):
@@ -204,14 +208,8 @@ def test_cached_decoding_equals_the_full_forward_with_only_ras_kv_cache(variant)
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config()).eval()
-    model.save_pretrained(tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=10)
     assert all(isinstance(block.attn, WindowedRandomizedAttention) for block in loaded.model.transformer.blocks)
-    prompt = torch.randint(1, 37, (1, 9))
-    out = loaded.generate(prompt, max_new_tokens=10, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True)
-    torch.testing.assert_close(torch.stack(out.logits, 1), model(out.sequences[:, :-1]).logits[:, 8:],
-                               rtol=1e-5, atol=1e-5)
     assert loaded.model.transformer.blocks[0].attn.own_parameters() == []  # RA learns nothing of its own
 
 

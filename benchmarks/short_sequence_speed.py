@@ -151,7 +151,8 @@ def main(argv=None) -> dict:
         crossover[name] = min(faster) if faster else None
     report = {
         "setup": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "attention_settings": {n: ATTENTIONS[n] for n in args.attentions},
+                  "attention_settings": {n: {"family": ATTENTIONS[n][0], "settings": ATTENTIONS[n][1]}
+                                         for n in args.attentions},
                   "device_name": (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
                                   else platform.processor() or platform.machine()),
                   "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from attnzoo import ZooSoftmaxConfig
 from attnzoo.registration import FAMILY_CONFIGS
+from attnzoo.transformers_compat import CACHE_KW  # generate()'s name for a caller's cache: "cache" from 5.24 on
 
 SMALL = dict(vocab_size=37, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
              is_decoder=True, hidden_dropout_prob=0.0, pad_token_id=0, initializer_range=0.3)
@@ -60,7 +61,7 @@ def test_generate_with_a_static_cache_equals_generate_with_the_models_own_cache(
     ids, mask = left_padded_batch()
     runs = [model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
                            return_dict_in_generate=True, **extra)
-            for extra in ({}, {"cache": StaticCache(config=model.config, max_cache_len=18)})]
+            for extra in ({}, {CACHE_KW: StaticCache(config=model.config, max_cache_len=18)})]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     torch.testing.assert_close(torch.stack(runs[0].logits), torch.stack(runs[1].logits), rtol=1e-10, atol=1e-12)
     steps = torch.stack(runs[0].logits)  # [new tokens, batch, vocab]: each step's logits depend on the context

@@ -30,25 +30,24 @@ from attnzoo.modeling.attention.window import (
     WindowStateLayer,
     gather_tokens,
     left_align,
-    new_token_inputs,
     restore_order,
     window_scores,
 )
 from attnzoo.modeling.attention.window_linear import (
+    WindowedLinearForward,
     add_far_key,
     blocked_far_part,
     combine,
     dense_near_and_far,
     far_key_mask,
     far_sums,
-    grouped_heads,
     read_far,
 )
 from attnzoo.ops.windowed_attention import mask_values
 
 
 @register_attention("favor_window")
-class WindowedFavorAttention(WindowInsideLayer, FavorAttention):
+class WindowedFavorAttention(WindowInsideLayer, WindowedLinearForward, FavorAttention):
     """Exact window and sinks plus FAVOR+ beyond them, one softmax normalisation; see the module docstring."""
 
     plain_kind = "favor"
@@ -60,17 +59,8 @@ class WindowedFavorAttention(WindowInsideLayer, FavorAttention):
     def new_cache_layer(self):
         return WindowStateLayer(self.window_size, self.sinks)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        length = hidden_states.shape[1]
-        q, k, v = grouped_heads(self, hidden_states, position_ids, past)
-        projection = self.projection(layer)
-        if layer is not None and layer.state:
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
-                                        projection) for t in range(length)], dim=2)
-        else:
-            out = self._parallel(q, k, v, valid, projection, layer)
-        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+    def far_context(self, layer):
+        return self.projection(layer)  # the evaluation projection, or this forward's draw
 
     def _log_features(self, x, projection):
         return log_positive_features(x, projection, self.hyperbolic)

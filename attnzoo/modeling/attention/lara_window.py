@@ -42,25 +42,24 @@ from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
     gather_tokens,
     left_align,
-    new_token_inputs,
     restore_order,
     window_scores,
 )
 from attnzoo.modeling.attention.window_linear import (
+    WindowedLinearForward,
     add_far_key,
     blocked_far_part,
     combine,
     dense_near_and_far,
     far_key_mask,
     far_sums,
-    grouped_heads,
     read_far,
 )
 from attnzoo.ops.windowed_attention import mask_values
 
 
 @register_attention("lara_window")
-class WindowedLARA(WindowInsideLayer, CausalLARA):
+class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
     """Exact window and sinks plus causal LARA beyond them, one softmax normalisation; see the module docstring."""
 
     plain_kind = "lara"
@@ -72,20 +71,8 @@ class WindowedLARA(WindowInsideLayer, CausalLARA):
     def new_cache_layer(self):
         return LaraStateLayer()
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        length = hidden_states.shape[1]
-        q, k, v = grouped_heads(self, hidden_states, position_ids, past)
-        if layer is not None and layer.state:
-            # A continuation after the prefill; generate() feeds one token at a time, so this is not a hot path.
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], layer)
-                             for t in range(length)], dim=2)
-        else:
-            out = self._parallel(q, k, v, valid, layer)
-        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
-
     # -- the parallel form ----------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, valid, layer=None):
+    def _parallel(self, q, k, v, valid, context=None, layer=None):
         batch, heads, length, dim = q.shape
         order = left_align(valid)  # chunks and windows count real tokens in every row
         q, k_grouped, v_grouped = (gather_tokens(x, order) for x in (q, k, v))
@@ -116,7 +103,7 @@ class WindowedLARA(WindowInsideLayer, CausalLARA):
                     q_sum=(self._transform(self.landmark_q, q) * partial).sum(2),
                     k_sum=(self._transform(self.landmark_k, k) * partial).sum(2))
 
-    def _step(self, q, k, v, layer):
+    def _step(self, q, k, v, real, layer, context=None):
         """One new (real) token per row, q [B, H, 1, d] and k, v [B, kv_heads, 1, d]: the key leaving the window
         joins the far sums, the token joins the store and the landmark sums, the output reads the window from the
         store and the far part from the sums of the available proposals; a row that completes a chunk then gets that

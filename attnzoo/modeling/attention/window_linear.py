@@ -38,7 +38,30 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.modeling.attention.random_features import NO_KEY_LEVEL
+from attnzoo.modeling.attention.window import new_token_inputs
 from attnzoo.ops.decayed_linear_attention import decayed_cumsum
+
+
+class WindowedLinearForward:
+    """The forward both window-plus-linear layers share: new tokens' heads, then the blocked parallel form (a prefill
+    or a cache-free forward) or recurrent steps over a filled decoding state. Subclasses give `_parallel(q, k, v,
+    valid, context, layer)`, `_step(q, k, v, real, layer, context)` and, when their far part needs something fixed
+    for the whole call (FAVOR+'s projection), `far_context(layer)`."""
+
+    def far_context(self, layer):
+        return None
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
+        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
+        q, k, v = grouped_heads(self, hidden_states, position_ids, past)
+        context = self.far_context(layer)
+        if layer is not None and layer.state:
+            # A continuation after the prefill; generate() feeds one token at a time, so this is not a hot path.
+            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
+                                        context) for t in range(hidden_states.shape[1])], dim=2)
+        else:
+            out = self._parallel(q, k, v, valid, context, layer)
+        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:

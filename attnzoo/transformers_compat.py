@@ -10,8 +10,9 @@ What lives here, and why:
   that takes only the old name silently drops the cache and decodes every step from the new token alone. `CACHE_KW`
   is the name of the installed version; `take_cache` accepts any of the names in a forward, `with_cache` writes an
   output under the current one and `output_cache` reads it back.
-- **The generation hooks** that hand `generate()` the model's own cache, and keep the 2-D padding mask that it would
-  turn into 4-D masks for a static cache (`GenerationHooks`).
+- **The generation hooks** that hand `generate()` the model's own cache (growing, or static for
+  `cache_implementation="static"`, sized from the length generate() passes its cache hook), and keep the 2-D
+  padding mask that it would turn into 4-D masks for a static cache (`GenerationHooks`).
 - **Activation checkpointing**: the method that enables it was renamed in 5.23 (`gradient_checkpointing_enable` to
   `activation_checkpointing_enable`; attnzoo calls it through `enable_activation_checkpointing`),
   and `GradientCheckpointingLayer` nulls a differently named cache keyword in each release, so attnzoo drops the
@@ -111,16 +112,50 @@ class GenerationHooks:
         finds one. A cache the user passed, or `use_cache=False`, is left to transformers."""
         if model_kwargs.get(CACHE_KW) is not None or generation_config.use_cache is False:
             return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.cache_implementation not in (None, "dynamic"):
-            raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} is not supported by "
-                             f"{type(self).__name__}; leave it unset (each layer's attention picks its cache).")
-        model_kwargs[CACHE_KW] = self.new_decoding_cache()
+        implementation = generation_config.cache_implementation
+        if implementation in (None, "dynamic"):
+            model_kwargs[CACHE_KW] = self.new_decoding_cache()
+        elif implementation == "static":
+            length = _generation_cache_length(super()._prepare_cache_for_generation, generation_config, args, kwargs)
+            model_kwargs[CACHE_KW] = self.new_decoding_cache(max_cache_len=length)
+        else:
+            raise ValueError(f"cache_implementation={implementation!r} is not supported by {type(self).__name__}; "
+                             "leave it unset (each layer's attention picks its growing cache) or pass 'static' "
+                             "(fixed-shape slots, for compiled decoding).")
 
     def create_masks_for_generate(self, *args, attention_mask=None, **kwargs):
-        """generate() turns the 2-D padding mask into 4-D causal masks when the cache is compileable (a caller's
-        `StaticCache`), through this model-overridable hook; attnzoo's attentions build their causal, window and
-        static-slot masks from the 2-D padding mask themselves, so it is passed on unchanged."""
-        return attention_mask
+        """generate() turns the 2-D padding mask into 4-D causal masks when the cache is compileable (a static
+        cache), through this model-overridable hook. attnzoo's attentions build their causal, window and static-slot
+        masks from the 2-D padding mask themselves, so it stays 2-D; for a static cache it is padded to the cache's
+        `max_cache_len` columns (positions not written yet count as padding), so every decode step has the same
+        shapes and a compiled step is not recompiled as the sequence grows."""
+        cache = next((kwargs[name] for name in CACHE_NAMES[:2] if kwargs.get(name) is not None), None)
+        capacity = static_capacity(cache)
+        if attention_mask is None or capacity is None or attention_mask.shape[-1] >= capacity:
+            return attention_mask
+        return torch.nn.functional.pad(attention_mask, (0, capacity - attention_mask.shape[-1]))
+
+
+def static_capacity(cache) -> int | None:
+    """The positions a static (compileable) cache holds, or None: transformers' `StaticCache` and attnzoo's static
+    slots both name it `max_cache_len` on every layer."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    sizes = [getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ())]
+    return min(sizes) if sizes and None not in sizes else None
+
+
+def _generation_cache_length(prepare_cache, generation_config, args, kwargs) -> int:
+    """The positions a static cache needs for this generate() call: the `max_cache_length` that generate() passes
+    its cache hook (prompt plus new tokens), read by name from the installed release's signature, or the
+    generation's `max_length` where it passes none; at least `generation_config.max_cache_len` where that is set (a
+    ceiling shared by several calls, so they reuse one compiled step)."""
+    try:
+        passed = inspect.signature(prepare_cache).bind(generation_config, {}, *args, **kwargs).arguments
+    except TypeError:
+        passed = {}
+    length = passed.get("max_cache_length") or generation_config.max_length
+    ceiling = getattr(generation_config, "max_cache_len", None)
+    return max(length, ceiling) if ceiling else length
 
 
 def static_written_length(slot) -> torch.Tensor | None:

@@ -48,6 +48,11 @@ Ratios (`summary`): each family's per-token time as a speed-up over the baseline
 (baseline ms / family ms: above 1 is faster) and over `gpt2_static`'s, its decoding memory over the baseline's
 (only where both are at least 1 MiB: below that the figures are allocator noise), and "flat in context": its
 per-token time at the longest context it ran over its time at the shortest (64K over 1K by default).
+`--compiled_static`: graph-captured decoding. Every implementation decodes from a static cache (attnzoo's
+families from `model.new_decoding_cache(max_cache_len=context + steps)`, fixed shapes and addresses; the
+window-with-sinks attentions have none and are recorded as `no_static_cache`) with its decode step compiled by
+`torch.compile(fullgraph=True, dynamic=False)`, `mode="reduce-overhead"` (CUDA graphs) on a GPU; the warm-up steps
+compile (`warmup_s`), the timed ones replay. Results go to decoding_speed_<device>_compiled.json.
 Results: benchmarks/results/decoding_speed_<device>.json and .png (`--output` elsewhere). The JSON is rewritten
 after every worker, so a run stopped part-way keeps its rows; `--merge` adds a run's rows to those of an earlier
 run in `--output` (re-run configurations replaced), refusing one with other settings or on another device.
@@ -233,8 +238,17 @@ def measure(job: dict) -> dict:
     base = held_mib(device)
     kept = job["check_steps"] + 1  # tokens compared with the full forward: the prefill's and check_steps steps'
     tokens, logits = [], []
+    compiled = settings.get("compiled")
     with torch.no_grad():
-        cache = StaticCache(config=model.config, max_cache_len=capacity) if uses_static_cache(impl) else None
+        if uses_static_cache(impl):
+            cache = StaticCache(config=model.config, max_cache_len=capacity)
+        elif compiled:
+            try:
+                cache = model.new_decoding_cache(max_cache_len=capacity)
+            except ValueError as error:  # an attention without a static slot (the window-with-sinks ones)
+                return {**row, "status": "no_static_cache", "error": str(error)}
+        else:
+            cache = None
         passed = {CACHE_KW: cache} if cache is not None else {}
         sync(device)
         start = time.perf_counter()
@@ -256,14 +270,26 @@ def measure(job: dict) -> dict:
         row["cache_MiB"] = held_mib(device) - base
         row["cache_class"] = f"{type(cache).__name__}[{type(cache.layers[0]).__name__}]"
 
-        def step():
-            out = model(tokens[-1][:, None], use_cache=True, **{CACHE_KW: cache})
-            tokens.append(out.logits[:, -1].argmax(-1))
-            if len(logits) < kept:
-                logits.append(out.logits[:, -1].float())
+        def forward_step(token, cache):
+            return model(token, use_cache=True, **{CACHE_KW: cache}).logits[:, -1]
 
+        if compiled:  # one graph for every step: the cache has fixed shapes and no mask is passed
+            forward_step = torch.compile(forward_step, fullgraph=True, dynamic=False, backend=compiled,
+                                         mode="reduce-overhead" if cuda and compiled == "inductor" else None)
+
+        def step():
+            # a copy: a CUDA graph's outputs are overwritten by its next replay
+            last = forward_step(tokens[-1][:, None], cache).float().clone()
+            tokens.append(last.argmax(-1))
+            if len(logits) < kept:
+                logits.append(last)
+
+        sync(device)
+        start = time.perf_counter()
         for _ in range(job["warmup_tokens"]):
             step()
+        sync(device)
+        row["warmup_s"] = time.perf_counter() - start  # with --compiled_static: the compilation's time
         times = step_seconds(step, device, job["new_tokens"])
         row["ms_per_token"] = 1000 * statistics.median(times)
         row["ms_per_token_all"] = [1000 * t for t in times]
@@ -328,6 +354,12 @@ def parse_args(argv):
     p.add_argument("--check_steps", type=int, default=2, help="cached steps compared with the full forward")
     p.add_argument("--worker_timeout", type=int, default=180, help="seconds per configuration before 'timeout'")
     p.add_argument("--skip_transformers_static", action="store_true", help="leave out gpt2_static")
+    p.add_argument("--compiled_static", action="store_true",
+                   help="every implementation decodes from a static cache (attnzoo's families from "
+                        "model.new_decoding_cache(max_cache_len=...)) with its decode step compiled "
+                        "(fullgraph, static shapes; mode='reduce-overhead', i.e. CUDA graphs, on a GPU)")
+    p.add_argument("--compile_backend", default="inductor",
+                   help="with --compiled_static: torch.compile's backend (the smoke test uses 'eager')")
     p.add_argument("--one_worker", action="store_true",
                    help="run every configuration in one worker process (quicker start, memory not isolated)")
     p.add_argument("--merge", action="store_true",
@@ -350,7 +382,8 @@ def parse_args(argv):
     validate(args)
     if not args.intermediate_size:
         args.intermediate_size = 4 * args.hidden_size
-    args.output = args.output or RESULTS / f"decoding_speed_{args.device.split(':')[0]}.json"
+    suffix = "_compiled" if args.compiled_static else ""
+    args.output = args.output or RESULTS / f"decoding_speed_{args.device.split(':')[0]}{suffix}.json"
     if args.merge and not args.output.exists():
         raise ValueError(f"--merge: {args.output} does not exist yet; run once without --merge first.")
     return args
@@ -380,15 +413,23 @@ def validate(args) -> None:
                          f"({args.warmup_tokens + args.new_tokens}) steps are decoded; lower it.")
     if args.hidden_size % args.num_heads:
         raise ValueError(f"--num_heads {args.num_heads}: must divide --hidden_size {args.hidden_size}.")
+    if args.compile_backend != "inductor" and not args.compiled_static:
+        raise ValueError(f"--compile_backend {args.compile_backend}: it applies to --compiled_static only; add that "
+                         "flag or drop this one.")
+    if args.compiled_static and args.warmup_tokens < 2:
+        raise ValueError(f"--warmup_tokens {args.warmup_tokens}: --compiled_static compiles (and records a CUDA "
+                         "graph) in the first steps, which must not be timed; use 2 or more.")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype {args.dtype}: use one of {', '.join(DTYPES)}.")
 
 
 def settings_of(args) -> dict:
-    return {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
+    return {"compiled": args.compile_backend if args.compiled_static else None,
+            "hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
             "head_dim": args.hidden_size // args.num_heads, "intermediate_size": args.intermediate_size,
             "vocab_size": args.vocab_size, "dtype": args.dtype, "new_tokens": args.new_tokens,
             "warmup_tokens": args.warmup_tokens, "check_steps": args.check_steps,
+            "decode_step": f"compiled ({args.compile_backend}), static cache" if args.compiled_static else "eager",
             "attention": dict(TINY_ATTENTION) if args.tiny else {}}
 
 
@@ -406,6 +447,7 @@ def model_descriptions(impls: list[str], settings: dict) -> dict:
             keep = {k: v for k, v in config.items() if k not in ("auto_map", "transformers_version",
                                                                  "max_position_embeddings")}
             described[impl] = {"config": keep, "cache": "transformers StaticCache" if impl == ZOO_STATIC
+                               else "attnzoo ZooCache (each layer's own static slot)" if settings.get("compiled")
                                else "attnzoo ZooCache (each layer's own slot)"}
     return described
 

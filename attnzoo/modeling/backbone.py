@@ -22,10 +22,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from attnzoo.modeling.attention import DrawsPerForward, SoftmaxCrossAttention, UsesRecomputation, build_attention
+from attnzoo.modeling.attention.base import static_key_mask
+from attnzoo.modeling.cache import check_static_capacity
 from attnzoo.modeling.embeddings import PositionEmbedding
 from attnzoo.modeling.normalization import build_norm
 from attnzoo.modeling.reversible import ReversibleStackFunction, stream_step
-from attnzoo.transformers_compat import drops_cache_under_checkpointing
+from attnzoo.transformers_compat import drops_cache_under_checkpointing, static_capacity
 
 logger = logging.get_logger(__name__)
 
@@ -174,8 +176,18 @@ class ZooTransformer(nn.Module):
         self.final_norm = build_norm(config, config.stack_output_size)
         self.rotary = config.position_embedding_type == "rotary"
 
-    def new_cache_layers(self):
-        return [block.attn.new_cache_layer() for block in self.blocks]
+    def new_cache_layers(self, max_cache_len: int | None = None):
+        """One decoding cache slot per block: growing ones, or static ones for up to `max_cache_len` positions."""
+        if max_cache_len is None:
+            return [block.attn.new_cache_layer() for block in self.blocks]
+        check_static_capacity(max_cache_len)
+        slots = [block.attn.new_static_cache_layer(max_cache_len) for block in self.blocks]
+        if None in slots:
+            kinds = sorted({block.attn.name for block, slot in zip(self.blocks, slots, strict=True) if slot is None})
+            raise ValueError(f"a static cache (max_cache_len={max_cache_len}) is not available for attention "
+                             f"{', '.join(map(repr, kinds))}; decode with the growing cache instead (leave "
+                             "max_cache_len and cache_implementation unset).")
+        return slots
 
     def set_image_layout(self, grid_size: tuple[int, int], class_token: bool) -> None:
         """Tell every attention that the tokens are an image's patch grid (after a class token when `class_token`)."""
@@ -192,17 +204,25 @@ class ZooTransformer(nn.Module):
             logger.warning_once("the cache is not used while activation checkpointing recomputes the blocks "
                                 "(it would be written twice); the forward runs without it.")
             cache = None
+        # A static cache counts its positions in a 0-d tensor, which is never read on the host here: its masks have
+        # its capacity's columns (those not written yet count as padding), so every decode step has the same shapes.
         past_length = cache.get_seq_length() if cache is not None else 0
+        capacity = static_capacity(cache)
+        if capacity is not None and not isinstance(past_length, torch.Tensor) and length > capacity:
+            raise ValueError(f"the input has {length} tokens but the static cache holds max_cache_len={capacity}; "
+                             "build the cache with a larger max_cache_len.")
         if attention_mask is not None:
             attention_mask = padding_mask(attention_mask, batch)
-        if attention_mask is not None and attention_mask.shape[-1] != past_length + length:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} tokens but there are {past_length} cached and "
-                f"{length} new ones; pass a mask of shape ({batch}, {past_length + length})."
-            )
+            if capacity is not None:
+                attention_mask = static_key_mask(attention_mask, batch, capacity)
+            elif attention_mask.shape[-1] != past_length + length:
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} tokens but there are {past_length} cached and "
+                    f"{length} new ones; pass a mask of shape ({batch}, {past_length + length})."
+                )
         hidden = inputs_embeds
         if self.positions is not None:
-            self.positions.check_length(past_length + length)
+            self.positions.check_length(past_length + length if capacity is None else capacity)
             if position_ids is None:
                 position_ids = self._position_ids(attention_mask, past_length, length, inputs_embeds.device)
             pos = self.positions(position_ids)
@@ -232,11 +252,14 @@ class ZooTransformer(nn.Module):
 
     @staticmethod
     def _position_ids(attention_mask, past_length, length, device):
+        """Positions of the new tokens, which sit at mask columns past_length .. past_length + length - 1 (the last
+        ones, except in a static cache's mask); `past_length` may be a 0-d tensor."""
+        columns = past_length + torch.arange(length, device=device)
         if attention_mask is None:
-            return torch.arange(past_length, past_length + length, device=device)[None]
+            return columns[None]
         # Count only real tokens, so a left-padded sequence gets the positions it would have alone.
-        positions = attention_mask.bool().long().cumsum(-1) - 1
-        return positions.clamp(min=0)[:, -length:]
+        positions = (attention_mask.bool().long().cumsum(-1) - 1).clamp(min=0)
+        return positions.gather(1, columns[None].expand(positions.shape[0], -1))
 
     def _reversible(self, hidden, encoder_hidden_states, block_kwargs, all_hidden):
         needs_grad = torch.is_grad_enabled() and (

@@ -81,7 +81,7 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
                                 **auto_map(type(self.config), classes)}
         return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
 
-    def new_decoding_cache(self):
+    def new_decoding_cache(self, max_cache_len: int | None = None):
         """An empty cache for incremental decoding (generative heads override this)."""
         raise ValueError(f"{type(self).__name__} does not decode incrementally; use a ForCausalLM or "
                          "ForConditionalGeneration model.")

@@ -19,13 +19,31 @@ class ZooCache(Cache):
         super().__init__(layers=list(layers))
 
     @classmethod
-    def for_transformer(cls, transformer) -> ZooCache:
-        return cls(transformer.new_cache_layers())
+    def for_transformer(cls, transformer, max_cache_len: int | None = None) -> ZooCache:
+        """The cache of a Transformer's decoder layers: growing slots, or, with `max_cache_len`, static ones (fixed
+        shapes and addresses for up to that many positions, so a decode step can be compiled or graph-captured)."""
+        return cls(transformer.new_cache_layers(max_cache_len))
 
 
-def new_encoder_decoder_cache(decoder) -> EncoderDecoderCache:
-    """Self-attention slots from the decoder's attentions; cross-attention keys/values in a `DynamicCache`."""
-    return EncoderDecoderCache(ZooCache.for_transformer(decoder), DynamicCache())
+def new_encoder_decoder_cache(decoder, max_cache_len: int | None = None) -> EncoderDecoderCache:
+    """Self-attention slots from the decoder's attentions (static ones with `max_cache_len`); cross-attention
+    keys/values in a `DynamicCache` (written once, at the first step)."""
+    return EncoderDecoderCache(ZooCache.for_transformer(decoder, max_cache_len), DynamicCache())
+
+
+def check_static_capacity(max_cache_len) -> int:
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len={max_cache_len!r} is invalid: pass the number of positions the static cache "
+                         "must hold (prompt plus new tokens), a positive int.")
+    return max_cache_len
+
+
+def _fixed_address(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark a static slot's tensor as living at one address for the whole generation, so a compiled step reads and
+    writes it in place (CUDA graphs included) instead of copying it in as an input (as transformers' StaticLayer)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
 
 
 class SelfManagedCacheLayer(CacheLayerMixin):
@@ -142,6 +160,10 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         """The stored `name` of every cached token (a view of the buffer)."""
         return self.buffers[name].narrow(self.token_dims[name], 0, self.length)
 
+    def written_tokens(self, name: str) -> torch.Tensor:
+        """The stored `name` of every cached token, exactly (outside a decode step: a static slot reads its count)."""
+        return self.tokens(name)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -n tokens for n = `tokens_to_remove` < 0, as transformers' cache layers do (a positive
         value, the legacy "final size", is refused there and here). Assisted decoding passes a 0-d tensor on some
@@ -164,6 +186,132 @@ class TokenBufferLayer(SelfManagedCacheLayer):
     def _map(self, fn) -> None:
         self.buffers = {name: fn(b) for name, b in self.buffers.items()}
         self.sequence = {name: fn(t) for name, t in self.sequence.items()}
+
+
+class StaticRecurrentStateLayer(RecurrentStateLayer):
+    """A `RecurrentStateLayer` for compiled and graph-captured decoding: the state is allocated by the prefill and
+    then updated in place (fixed shapes and addresses), and the position count is a 0-d tensor on the state's device
+    (as in transformers' `StaticLayer`), so no step reads a host value that changes. `max_cache_len` bounds the
+    positions (and the attention mask's columns), not the state, whose size never depends on the length."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int):
+        super().__init__()
+        self.max_cache_len = check_static_capacity(max_cache_len)
+        self.written = torch.zeros((), dtype=torch.long)
+
+    def store(self, new_tokens: int, **tensors: torch.Tensor) -> None:
+        if not self.state:  # the prefill: the state's shapes and device are known from here on
+            self.state = {name: _fixed_address(t.detach().clone(memory_format=torch.contiguous_format))
+                          for name, t in tensors.items()}
+            self.written = _fixed_address(torch.full((), new_tokens, dtype=torch.long, device=tensors[next(iter(
+                tensors))].device))
+            self.is_initialized = True
+            return
+        for name, t in tensors.items():
+            self.state[name].copy_(t)
+        self.written.add_(new_tokens)
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        return self.written if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.written = torch.zeros((), dtype=torch.long)
+        self.is_initialized = False
+
+    def _map(self, fn) -> None:
+        # In place where the batch keeps its size (beam reordering), so compiled steps keep their addresses.
+        for name, t in self.state.items():
+            mapped = fn(t)
+            if mapped.shape == t.shape:
+                t.copy_(mapped)
+            else:
+                self.state[name] = _fixed_address(mapped)
+
+
+class StaticTokenBufferLayer(TokenBufferLayer):
+    """A `TokenBufferLayer` for compiled and graph-captured decoding: buffers of `max_cache_len` positions allocated
+    by the prefill, new tokens written in place at the position count, a 0-d tensor (as in transformers'
+    `StaticLayer`). `tokens()` returns the whole buffer: attentions read it by index, clamped to the written
+    positions, and mask what lies beyond them."""
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int, derived_from_tokens: tuple[str, ...] = ()):
+        super().__init__(derived_from_tokens)
+        self.max_cache_len = check_static_capacity(max_cache_len)
+        self.written = torch.zeros((), dtype=torch.long)
+
+    def start(self, tokens: dict[str, tuple[torch.Tensor, int]], **sequence: torch.Tensor) -> None:
+        first, dim = next(iter(tokens.values()))
+        if first.shape[dim] > self.max_cache_len:
+            raise ValueError(f"the prompt has {first.shape[dim]} positions but the static cache holds "
+                             f"max_cache_len={self.max_cache_len}; build the cache with a larger max_cache_len.")
+        self.lazy_initialization(first, first)
+        self.length = self.start_length = first.shape[dim]
+        self.written = _fixed_address(torch.full((), self.length, dtype=torch.long, device=first.device))
+        self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
+        self.buffers = {name: _fixed_address(_grown(x.detach(), self.max_cache_len, dim))
+                        for name, (x, dim) in tokens.items()}
+        # Own, dense copies (a per-sequence tensor may be an expanded view), which beam search reorders in place.
+        self.sequence = {name: _fixed_address(t.detach().clone(memory_format=torch.contiguous_format))
+                         for name, t in sequence.items()}
+
+    def append(self, **tokens: torch.Tensor) -> None:
+        """Write new tokens at the position count (past `max_cache_len` the writes would be lost: index_copy_
+        raises on an index out of range in eager mode)."""
+        name, first = next(iter(tokens.items()))
+        count = first.shape[self.token_dims[name]]
+        index = self.written + torch.arange(count, device=self.written.device)
+        for name, x in tokens.items():
+            self.buffers[name].index_copy_(self.token_dims[name], index, x.detach())
+        self.written.add_(count)
+
+    def tokens(self, name: str) -> torch.Tensor:
+        return self.buffers[name]
+
+    def written_tokens(self, name: str) -> torch.Tensor:
+        return self.buffers[name].narrow(self.token_dims[name], 0, int(self.written))
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        return self.written if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        tokens_to_remove = int(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove.")
+        if not self.is_initialized or tokens_to_remove == 0:
+            return
+        self.written.clamp_(min=-tokens_to_remove).add_(tokens_to_remove)
+        for name in self.derived_from_tokens:
+            self.sequence.pop(name, None)
+
+    def reset(self) -> None:
+        super().reset()
+        self.written = torch.zeros((), dtype=torch.long)
+
+    def _map(self, fn) -> None:
+        for group in (self.buffers, self.sequence):
+            for name, t in group.items():
+                mapped = fn(t)
+                if mapped.shape == t.shape:
+                    t.copy_(mapped)
+                else:
+                    group[name] = _fixed_address(mapped)
 
 
 def _grown(x: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:

@@ -94,8 +94,11 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def new_decoding_cache(self):
-        return ZooCache.for_transformer(self.model.transformer)
+    def new_decoding_cache(self, max_cache_len: int | None = None):
+        """An empty cache for incremental decoding: each layer's attention picks its slot; with `max_cache_len`,
+        static slots for up to that many positions (prompt plus new tokens), for compiled or graph-captured
+        decoding (docs/compile.md)."""
+        return ZooCache.for_transformer(self.model.transformer, max_cache_len)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 cache=None, labels=None, use_cache=None, output_hidden_states=None, return_dict=None,
@@ -289,8 +292,9 @@ class ZooForConditionalGeneration(ZooPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def new_decoding_cache(self):
-        return new_encoder_decoder_cache(self.decoder)
+    def new_decoding_cache(self, max_cache_len: int | None = None):
+        """An empty cache for incremental decoding (static decoder slots with `max_cache_len`, as for decoders)."""
+        return new_encoder_decoder_cache(self.decoder, max_cache_len)
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, labels=None, use_cache=None, output_hidden_states=None,

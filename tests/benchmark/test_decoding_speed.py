@@ -79,6 +79,24 @@ def test_merge_adds_a_second_run_to_the_first(tiny_report, tmp_path):
         decoding.main(["--tiny", "--merge", "--new_tokens", "4", "--output", copy])
 
 
+def test_compiled_static_run_decodes_every_family_from_its_static_cache(tmp_path):
+    """--compiled_static: each family's decode step compiled once over its static cache (dynamo's 'eager' backend
+    here, for seconds) decodes the full forward's tokens; an attention without a static slot is recorded as such."""
+    out = tmp_path / "decoding_speed_cpu_compiled.json"
+    decoding.main(["--tiny", "--compiled_static", "--compile_backend", "eager", "--warmup_tokens", "2",
+                   "--batch_sizes", "2", "--contexts", "64", "--families", "performer", "reformer", "lara", "ra",
+                   "window", "--skip_transformers_static", "--output", out])
+    report = json.loads(out.read_text())
+    assert report["settings"]["decode_step"] == "compiled (eager), static cache"
+    rows = {r["impl"]: r for r in report["rows"]}
+    for impl in ("performer", "reformer", "lara", "ra", report["baseline"]["impl"]):
+        assert rows[impl]["status"] == "ok", rows[impl].get("error")
+        assert rows[impl]["matches_full_forward"] and rows[impl]["warmup_s"] > 0
+    assert rows["performer"]["cache_class"] == "ZooCache[StaticRecurrentStateLayer]"
+    assert rows["reformer"]["cache_class"] == "ZooCache[StaticTokenBufferLayer]"
+    assert rows["window"]["status"] == "no_static_cache" and "'window'" in rows["window"]["error"]
+
+
 def test_the_static_cache_probe_matches_what_attnzoo_softmax_does():
     usable, note = decoding.static_cache_probe(decoding.settings_of(decoding.parse_args(["--tiny"])))
     assert isinstance(usable, bool) and "StaticCache" in note
@@ -120,6 +138,8 @@ def test_summary_skips_missing_rows_and_merge_replaces_re_run_ones(tmp_path):
     (["--num_heads", "3"], "--num_heads"),
     (["--check_steps", "50", "--new_tokens", "4"], "--check_steps"),
     (["--merge", "--output", "/nonexistent/decoding.json"], "--merge"),
+    (["--compile_backend", "eager"], "--compile_backend"),
+    (["--compiled_static", "--warmup_tokens", "1"], "--warmup_tokens"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):

@@ -146,8 +146,8 @@ class ZooAttention(nn.Module):
         `past, past + 1, ...` (a module called on its own, without padding)."""
         if self.rotary is None:
             return None
-        if position_ids is None:
-            position_ids = torch.arange(past, past + length, device=device)[None]
+        if position_ids is None:  # `past` may be a static slot's 0-d count: no host value is read
+            position_ids = (past + torch.arange(length, device=device))[None]
         return self.rotary(position_ids, dtype)
 
     @staticmethod
@@ -173,14 +173,38 @@ class ZooAttention(nn.Module):
         """The `CacheLayerMixin` that holds this layer's decoding state."""
         raise NotImplementedError(f"attention {self.name!r} does not support incremental decoding")
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        """The cache slot for compiled or graph-captured decoding of up to `max_cache_len` positions: fixed shapes and
+        addresses, a position count kept as a tensor. None for an attention that has none (the model then refuses a
+        static cache, naming it)."""
+        return None
+
     def cache_slot(self, cache):
         """This layer's slot of a cache, or None without one."""
         return cache.layers[self.layer_idx] if cache is not None else None
 
     def cache_layer_types(self) -> tuple[type, ...]:
         """The cache slot classes this attention reads and writes correctly (by default: its own
-        `new_cache_layer()`'s)."""
-        return (type(self.new_cache_layer()),)
+        `new_cache_layer()`'s and `new_static_cache_layer()`'s)."""
+        static = self.new_static_cache_layer(1)
+        return (type(self.new_cache_layer()),) + ((type(static),) if static is not None else ())
+
+    def key_masks(self, attention_mask, slot, batch: int, length: int):
+        """(past, key mask, new-token mask) for `length` new tokens over this layer's cache slot (None: no cache):
+        `past` counts the cached positions (a 0-d tensor for a static slot), the key mask covers every key (bool or
+        None) and the new-token mask the new tokens' columns of it. A static slot's key mask has `max_cache_len`
+        columns (a shorter mask is padded: columns not written yet count as padding) and its new tokens' columns are
+        read at `past`, so nothing in a decode step depends on a host value that changes."""
+        past = slot.get_seq_length() if slot is not None and getattr(slot, "is_initialized", True) else 0
+        capacity = getattr(slot, "max_cache_len", None)
+        if capacity is None:
+            key_mask = check_attention_mask(attention_mask, batch, past + length)
+            return past, key_mask, (key_mask[:, past:] if key_mask is not None else None)
+        if attention_mask is None:
+            return past, None, None
+        key_mask = static_key_mask(attention_mask, batch, capacity)
+        columns = (past + torch.arange(length, device=key_mask.device))[None].expand(batch, -1)
+        return past, key_mask, key_mask.gather(1, columns)
 
     def check_cache_slot(self, cache) -> None:
         """Refuse a cache whose slot for this layer holds another kind of state (e.g. a transformers `StaticCache`
@@ -239,6 +263,47 @@ def check_attention_mask(attention_mask: torch.Tensor | None, batch: int, key_le
             "cached and current token (1 = real token, 0 = padding)."
         )
     return attention_mask.bool()
+
+
+def continues_cache(slot, past) -> bool:
+    """Whether a forward over cache slot `slot` (None: no cache) with `past` cached positions continues from them
+    (decoding) rather than filling the slot (a prefill). A static slot answers from whether it was filled, never
+    from its count, which is a tensor that a decode step must not read on the host."""
+    if slot is None:
+        return False
+    if getattr(slot, "max_cache_len", None) is not None:
+        return bool(slot.is_initialized)
+    return past > 0
+
+
+def static_key_mask(attention_mask: torch.Tensor, batch: int, capacity: int) -> torch.Tensor:
+    """A 2-D padding mask for a static cache of `capacity` positions, as bool with `capacity` columns: a mask that
+    covers only the positions so far (cached and new) is padded with False, which the attentions read as "not
+    written yet". Raises ValueError for a mask of the wrong batch or more columns than the cache holds."""
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] > capacity:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; with a static cache of max_cache_len="
+            f"{capacity} pass ({batch}, {capacity}) (one entry per cache position, 1 = a real token) or ({batch}, "
+            "cached + new tokens), and build the cache with max_cache_len >= the total length."
+        )
+    return torch.nn.functional.pad(attention_mask.bool(), (0, capacity - attention_mask.shape[1]))
+
+
+def static_allowed_keys(key_mask: torch.Tensor | None, written, query_len: int, key_len: int, causal: bool,
+                        device) -> torch.Tensor:
+    """Bool [batch|1, 1, query_len, key_len] over a static slot's `key_len` preallocated keys, of which the first
+    `written` (a 0-d tensor) are filled and the queries are the last `query_len`: filled keys only, causally when
+    `causal`, minus padded keys (`key_mask`, `key_len` columns, or None). A padded query sees itself, so no row is
+    empty. Tensors only, so a decode step can be captured in a CUDA graph."""
+    key_index = torch.arange(key_len, device=device)
+    query_index = written - query_len + torch.arange(query_len, device=device)
+    allowed = (key_index < written)[None, :]
+    if causal:
+        allowed = allowed & (key_index[None, :] <= query_index[:, None])
+    allowed = allowed[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    return allowed | (key_index[None, :] == query_index[:, None])
 
 
 def allowed_keys(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnzoo.modeling.attention.base import UsesRecomputation, ZooAttention, check_attention_mask
-from attnzoo.modeling.cache import TokenBufferLayer
+from attnzoo.modeling.attention.base import UsesRecomputation, ZooAttention, continues_cache
+from attnzoo.modeling.cache import StaticTokenBufferLayer, TokenBufferLayer
 
 
 class ChunkedAttention(UsesRecomputation, ZooAttention):
@@ -38,12 +38,13 @@ class ChunkedAttention(UsesRecomputation, ZooAttention):
         return self.dropout if self.training else 0.0
 
     def cached_inputs(self, hidden_states, attention_mask, cache):
-        """(this layer's slot of `cache` or None, the number of cached tokens, the bool key mask over cached + new
-        tokens or None)."""
+        """(this layer's slot of `cache` or None, the number of cached tokens (a 0-d tensor for a static slot),
+        whether the forward continues from cached tokens (decoding) rather than starting one (a prefill, or no
+        cache), the bool mask of the new tokens or None)."""
         batch, length, _ = hidden_states.shape
         slot = self.cache_slot(cache)
-        past = slot.get_seq_length() if slot is not None else 0
-        return slot, past, check_attention_mask(attention_mask, batch, past + length)
+        past, _, new_mask = self.key_masks(attention_mask, slot, batch, length)
+        return slot, past, continues_cache(slot, past), new_mask
 
     @staticmethod
     def all_real(key_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
@@ -51,3 +52,6 @@ class ChunkedAttention(UsesRecomputation, ZooAttention):
 
     def new_cache_layer(self):
         return TokenBufferLayer()
+
+    def new_static_cache_layer(self, max_cache_len: int):
+        return StaticTokenBufferLayer(max_cache_len)

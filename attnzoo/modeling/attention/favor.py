@@ -30,7 +30,7 @@ from attnzoo.modeling.attention.random_features import (
     stabilised_key_features,
     stabilised_query_features,
 )
-from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer, StaticRecurrentStateLayer
 from attnzoo.ops.decayed_linear_attention import decayed_linear_attention, decayed_linear_attention_step
 
 
@@ -52,6 +52,9 @@ class KernelAttention(ZooAttention):
     def new_cache_layer(self):
         return RecurrentStateLayer()
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        return StaticRecurrentStateLayer(max_cache_len)  # (S, z, M) updated in place
+
     def _heads(self, hidden_states, position_ids=None, past: int = 0):
         # Linear attention sums over the whole sequence: accumulate in float32 at least, whatever the model dtype.
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
@@ -64,11 +67,9 @@ class KernelAttention(ZooAttention):
         layer = self.cache_slot(cache)
         if layer is not None and not self.causal:
             raise ValueError("a cache is only used by causal (decoder) attention.")
-        past = layer.get_seq_length() if layer is not None else 0
+        batch, length, _ = hidden_states.shape
+        past, _, key_mask = self.key_masks(attention_mask, layer, batch, length)  # the new tokens' columns
         q, k, v = self._heads(hidden_states, position_ids, past)
-        batch, _, length, _ = q.shape
-        key_mask = check_attention_mask(attention_mask, batch, past + length)
-        key_mask = key_mask[:, past:] if key_mask is not None else None
         phi_q = stabilised_query_features(self.log_features(q, layer))
         log_phi_k = self.log_features(k, layer)
         if not self.causal:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnzoo.modeling.attention.base import check_attention_mask
+from attnzoo.modeling.attention.base import check_attention_mask, static_key_mask
 from attnzoo.modeling.attention.lara_base import LARABase
 from attnzoo.modeling.attention.random_features import log_features_at, running_max_key_features
-from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer, StaticRecurrentStateLayer
 from attnzoo.ops.decayed_linear_attention import decayed_linear_attention
 
 ALPHA_FLOOR = 1e-8  # the official code's clamp: the query-specific correction can make α negative
@@ -116,6 +116,9 @@ class CausalLARA(LARABase):
     def new_cache_layer(self):
         return LaraStateLayer()
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        return StaticLaraStateLayer(max_cache_len, self.chunk_size)
+
     def _start_state(self, layer, q, k, v, n_real, terms):
         """The state after a prefill: real keys/values (left-aligned), the proposals of completed chunks and their
         prefix sums over all real keys (relative to each proposal's largest key log-feature, which later tokens
@@ -124,12 +127,11 @@ class CausalLARA(LARABase):
         key_max = torch.where(torch.isfinite(key_max), key_max, torch.zeros_like(key_max))
         phi_k = torch.exp(terms["log_k"] - key_max)
         chunk, scale = self.chunk_size, self.head_dim ** -0.25
-        counts = n_real.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         token_valid = terms["token_valid"]
         in_partial = token_valid & (torch.arange(q.shape[2], device=q.device)[None, :] >= (n_real // chunk *
                                                                                             chunk)[:, None])
         partial = in_partial[:, None, :, None].to(q.dtype)
-        layer.start(counts, q.shape[2], k_hat=k * scale, v=v, omega=terms["omega"], mu=terms["mu"],
+        layer.start(n_real, q.shape[2], k_hat=k * scale, v=v, omega=terms["omega"], mu=terms["mu"],
                     q_bar=terms["q_bar"],
                     s=torch.einsum("bhnp,bhne->bhpe", phi_k, v), z=phi_k.sum(2), c=key_max.squeeze(2),
                     q_sum=(self._transform(self.landmark_q, q) * partial).sum(2),
@@ -138,26 +140,28 @@ class CausalLARA(LARABase):
     def causal_forward(self, hidden_states, attention_mask, layer=None, position_ids=None):
         """Causal LARA over new tokens: the parallel form, which also fills an empty cache slot (a prefill), or
         recurrent steps over a filled one."""
+        static = isinstance(layer, StaticLaraStateLayer)
         if layer is None or not layer.state:
+            if static and attention_mask is not None:  # a static cache's mask covers its capacity: the prompt's part
+                attention_mask = static_key_mask(attention_mask, attention_mask.shape[0], layer.max_cache_len)
+                attention_mask = attention_mask[:, :hidden_states.shape[1]]
             return self._causal(hidden_states, attention_mask, layer, position_ids)
         # A continuation after the prefill; generate() feeds one token at a time, so this loop is not a hot path.
         past = layer.get_seq_length()
-        return torch.cat([self._step(hidden_states[:, t:t + 1], layer,
-                                     None if position_ids is None else position_ids[:, t:t + 1], past + t)
+        step = self._static_step if static else self._step
+        return torch.cat([step(hidden_states[:, t:t + 1], layer,
+                               None if position_ids is None else position_ids[:, t:t + 1], past + t)
                           for t in range(hidden_states.shape[1])], 2)
 
-    def _step(self, hidden_states, layer, position_ids=None, past: int = 0):
-        """One new (real) token per row: update every available proposal's prefix sums, weight the proposals,
-        and when a row completes a chunk, add that chunk's proposal with prefix sums over all its keys."""
-        q, k, v = self._inputs(hidden_states, position_ids, past)
+    def _recurrent_update(self, q, k, v, state, position):
+        """One new token per row (q, k, v [B, H, 1, d], at real position `position` [B]) over the proposals in
+        `state`: every proposal's prefix sums with the new key, rescaled by their running maximum; the output from
+        the proposals available to the token; the landmark sums of the unfinished chunk. Returns (output, the new
+        s, z, c, q_sum, k_sum)."""
         chunk, scale = self.chunk_size, self.head_dim ** -0.25
         q_hat, k_hat = q * scale, k * scale
-        state, counts = layer.state, layer.counts
-        device = q.device
-        position = torch.tensor(counts, device=device)
         proposals = state["omega"].shape[2]
-        available = torch.arange(proposals, device=device)[None, :] <= (position // chunk)[:, None]  # [B, P]
-        # Prefix sums with a running max per proposal (the state is rescaled when the max grows).
+        available = torch.arange(proposals, device=q.device)[None, :] <= (position // chunk)[:, None]  # [B, P]
         log_k = log_features_at(k_hat, state["omega"]).squeeze(2)  # [B, H, P]
         c = torch.maximum(state["c"], log_k)
         rescale = torch.exp(state["c"] - c)
@@ -168,11 +172,60 @@ class CausalLARA(LARABase):
         out = (logits.softmax(-1).unsqueeze(-1) * (s / z.unsqueeze(-1))).sum(2, keepdim=True)
         q_sum = state["q_sum"] + self._transform(self.landmark_q, q).squeeze(2)
         k_sum = state["k_sum"] + self._transform(self.landmark_k, k).squeeze(2)
-        layer.append_token(k_hat, v, s=s, z=z, c=c, q_sum=q_sum, k_sum=k_sum)
-        finished = [row for row, n in enumerate(layer.counts) if n % chunk == 0]
+        return out, s, z, c, q_sum, k_sum
+
+    def _step(self, hidden_states, layer, position_ids=None, past: int = 0):
+        """One new (real) token per row: update every available proposal's prefix sums, weight the proposals,
+        and when a row completes a chunk, add that chunk's proposal with prefix sums over all its keys."""
+        q, k, v = self._inputs(hidden_states, position_ids, past)
+        position = torch.tensor(layer.counts, device=q.device)
+        out, s, z, c, q_sum, k_sum = self._recurrent_update(q, k, v, layer.state, position)
+        layer.append_token(k * self.head_dim ** -0.25, v, s=s, z=z, c=c, q_sum=q_sum, k_sum=k_sum)
+        finished = [row for row, n in enumerate(layer.counts) if n % self.chunk_size == 0]
         if finished:
             self._add_proposals(layer, finished)
         return out
+
+    def _static_step(self, hidden_states, layer, position_ids=None, past=0):
+        """`_step` over a static slot, with tensors only: the key is written in place at the row's count, and the
+        proposal of a chunk a row completes is computed under `torch.cond` (the branch runs only at a chunk's end,
+        in eager and compiled steps alike) and written into that row's next proposal slot, other rows unchanged."""
+        q, k, v = self._inputs(hidden_states, position_ids, past)
+        state, chunk = layer.state, self.chunk_size
+        position = state["counts"]
+        out, s, z, c, q_sum, k_sum = self._recurrent_update(q, k, v, state, position)
+        batch, heads, _, dim = k.shape
+        state["k_hat"].scatter_(2, position[:, None, None, None].expand(batch, heads, 1, dim), k * dim ** -0.25)
+        state["v"].scatter_(2, position[:, None, None, None].expand(batch, heads, 1, v.shape[-1]), v)
+        counts = position + 1
+        finished = counts % chunk == 0  # [B]
+        new = torch.cond(finished.any(), self._chunk_proposal, _no_proposal,
+                         (counts, state["k_hat"], state["v"], q_sum, k_sum))
+        slot = counts // chunk  # the next proposal slot of a row that finished (unused otherwise)
+        fresh = dict(zip(("omega", "mu", "q_bar", "s", "z", "c"), new, strict=True))
+        for name, current in {"omega": state["omega"], "mu": state["mu"], "q_bar": state["q_bar"], "s": s, "z": z,
+                              "c": c}.items():  # the state's proposals in place, this step's new sums before storing
+            index = slot.view(batch, 1, 1, *([1] * (current.dim() - 3))).expand(batch, heads, 1, *current.shape[3:])
+            kept = torch.where(finished.view(batch, *([1] * (current.dim() - 1))), fresh[name].unsqueeze(2),
+                               current.gather(2, index))
+            current.scatter_(2, index, kept)
+        keep = ~finished[:, None, None]
+        layer.store(1, s=s, z=z, c=c, q_sum=q_sum * keep, k_sum=k_sum * keep, counts=counts)
+        return out
+
+    def _chunk_proposal(self, counts, keys, values, q_sum, k_sum):
+        """For every row, the proposal of the chunk its last `chunk_size` real tokens form (Eq. 34 from their landmark
+        sums) with its prefix sums over the row's `counts` stored keys: (ω, μ, q̄ [B, H, d], s [B, H, e],
+        z, c [B, H]). `_static_step` keeps it for the rows that just completed a chunk."""
+        chunk, scale = self.chunk_size, self.head_dim ** -0.25
+        q_bar = q_sum / chunk * scale
+        mu = q_bar + k_sum / chunk * scale
+        omega = self._draw(mu).clone()  # in evaluation the draw is μ itself: a cond branch's outputs must not alias
+        valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < counts[:, None]
+        log_k = log_features_at(keys, omega.unsqueeze(2)).squeeze(-1).masked_fill(~valid[:, None], float("-inf"))
+        c = log_k.amax(-1)
+        weights = torch.exp(log_k - c.unsqueeze(-1))
+        return omega, mu, q_bar, torch.einsum("bhn,bhne->bhe", weights, values), weights.sum(-1), c
 
     def _add_proposals(self, layer, rows):
         """Proposals for rows that just completed a chunk: Eq. 34 from the chunk's landmarks, with prefix sums over
@@ -207,6 +260,14 @@ class CausalLARA(LARABase):
         return scores @ v / scores.sum(-1, keepdim=True)
 
 
+def _no_proposal(counts, keys, values, q_sum, k_sum):
+    """The branch of `_static_step`'s `torch.cond` where no row completed a chunk: placeholders of the proposal's
+    shapes, never kept."""
+    batch, heads, _, value_dim = values.shape
+    return (q_sum.new_zeros(q_sum.shape), q_sum.new_zeros(q_sum.shape), q_sum.new_zeros(q_sum.shape),
+            values.new_zeros(batch, heads, value_dim), q_sum.new_zeros(batch, heads), q_sum.new_zeros(batch, heads))
+
+
 class LaraStateLayer(RecurrentStateLayer):
     """Causal LARA's decoding state (see `_start_state`), with host-side counts of real tokens per row so that
     chunk completions are known without waiting for the device. Keys and values are kept with spare capacity
@@ -216,10 +277,10 @@ class LaraStateLayer(RecurrentStateLayer):
         super().__init__()
         self.counts: list[int] = []
 
-    def start(self, counts, positions: int, **tensors):
-        """`counts`: real tokens per row; `positions`: the prefill's length, padding included (what the attention
-        mask of the next step covers before the new token)."""
-        self.counts = list(counts)
+    def start(self, counts: torch.Tensor, positions: int, **tensors):
+        """`counts` [B]: real tokens per row; `positions`: the prefill's length, padding included (what the
+        attention mask of the next step covers before the new token)."""
+        self.counts = counts.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         self.store(positions, **tensors)
 
     def append_token(self, k_hat, v, **tensors):
@@ -261,3 +322,26 @@ class LaraStateLayer(RecurrentStateLayer):
     def reset(self):
         super().reset()
         self.counts = []
+
+
+class StaticLaraStateLayer(StaticRecurrentStateLayer):
+    """Causal LARA's decoding state in fixed shapes, for compiled and graph-captured decoding: keys and values for
+    `max_cache_len` tokens, proposal slots for every chunk they can complete (unfilled ones are never available: a
+    token sees proposals 0 .. its position // chunk), and the real-token counts as a [B] tensor in the state (so
+    beam search reorders them with it)."""
+
+    def __init__(self, max_cache_len: int, chunk_size: int):
+        super().__init__(max_cache_len)
+        self.chunk_size = chunk_size
+
+    def start(self, counts: torch.Tensor, positions: int, **tensors):
+        proposals = 1 + self.max_cache_len // self.chunk_size
+        padded = {}
+        for name, value in tensors.items():
+            size = self.max_cache_len if name in ("k_hat", "v") else proposals if value.dim() >= 3 else None
+            if size is not None and name not in ("q_sum", "k_sum"):
+                pad = [0, 0] * (value.dim() - 3) + [0, size - value.shape[2]]
+                # an unfilled proposal's running maximum starts at -inf, so its first key sets it (no NaN)
+                value = torch.nn.functional.pad(value, pad, value=float("-inf") if name == "c" else 0.0)
+            padded[name] = value
+        self.store(positions, counts=counts.clone(), **padded)

@@ -93,12 +93,11 @@ class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
         key/value heads, the proposals of completed chunks, their per-proposal sums over the far keys of the last
         token (positions sinks .. n_real - window - 1), and the running landmark sums of the unfinished chunk."""
         chunk, length = self.chunk_size, q.shape[2]
-        counts = n_real.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         position = torch.arange(length, device=q.device)[None, :]
         gone = (position >= self.sinks) & (position < (n_real - self.window_size)[:, None])
         in_partial = terms["token_valid"] & (position >= (n_real // chunk * chunk)[:, None])
         partial = in_partial[:, None, :, None].to(q.dtype)
-        layer.start(counts, length, k_hat=k_grouped * self.head_dim ** -0.25, v=v_grouped, omega=terms["omega"],
+        layer.start(n_real, length, k_hat=k_grouped * self.head_dim ** -0.25, v=v_grouped, omega=terms["omega"],
                     mu=terms["mu"], q_bar=terms["q_bar"], **far_sums(terms["log_k"], v, gone),
                     q_sum=(self._transform(self.landmark_q, q) * partial).sum(2),
                     k_sum=(self._transform(self.landmark_k, k) * partial).sum(2))

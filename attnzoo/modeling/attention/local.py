@@ -50,9 +50,9 @@ class LocalAttention(ChunkedAttention):
         return self.rotate(q, rotation), self.expand_kv(self.rotate(k, rotation)), self.expand_kv(v)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
-        slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
+        slot, past, decoding, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
         q, k, v = self._project(hidden_states, position_ids, past)
-        if past > 0:
+        if decoding:
             out = self._decode(q, k, v, key_mask, slot)
         else:
             # On a reversible recomputation the backward follows at once: keeping the probabilities costs no peak
@@ -95,16 +95,16 @@ class LocalAttention(ChunkedAttention):
             out = out.gather(2, unshift[:, None, :, None].expand(batch, heads, length, dim))
         return out
 
-    def _decode(self, q, k, v, key_mask, cache: TokenBufferLayer) -> torch.Tensor:
-        """New tokens over a cache: each attends to the keys of the window the chunked forward gives its position,
-        read from the cache by index, so a token costs the same whatever the context length."""
+    def _decode(self, q, k, v, new_mask, cache: TokenBufferLayer) -> torch.Tensor:
+        """New tokens (`new_mask`: their padding mask or None) over a cache: each attends to the keys of the window
+        the chunked forward gives its position, read from the cache by index, so a token costs the same whatever the
+        context length (a static slot's count stays on the device: indices are clamped to it, not sliced)."""
         batch, heads, count, dim = q.shape
-        past = cache.get_seq_length()
-        new_valid = key_mask[:, past:] if key_mask is not None else self.all_real(None, batch, count, q.device)
+        new_valid = new_mask if new_mask is not None else self.all_real(None, batch, count, q.device)
         cache.append(keys=k, values=v, valid=new_valid)
         index, query_index = self.decode_window(cache, count)
         lead = cache.sequence["lead"][:, None]
-        safe = index.clamp(0, cache.get_seq_length() - 1)
+        safe = torch.minimum(index, torch.as_tensor(cache.get_seq_length() - 1, device=index.device)).clamp(min=0)
         allowed = (index >= lead[..., None]) & (index <= query_index[..., None])
         allowed &= cache.tokens("valid").gather(1, safe.flatten(1)).view_as(safe)
         allowed |= index == query_index[..., None]  # a padded new token still sees its own key (no empty row)

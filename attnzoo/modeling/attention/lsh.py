@@ -31,8 +31,14 @@ from attnzoo.modeling.attention.lsh_hashing import (
     recent_keys_by_bucket,
     sort_by_bucket,
 )
-from attnzoo.modeling.cache import TokenBufferLayer
+from attnzoo.modeling.cache import StaticTokenBufferLayer, TokenBufferLayer
 from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple, windowed_attention
+
+
+def new_token_index(cache: TokenBufferLayer, device) -> torch.Tensor:
+    """The cache index a new token gets (the count of cached ones) as a 0-d long tensor of its own: a static slot's
+    count is a tensor that `append()` moves on in place, so it is copied before the token is appended."""
+    return torch.as_tensor(cache.get_seq_length(), device=device).clone()
 
 
 @register_attention("lsh")
@@ -114,10 +120,10 @@ class LSHAttention(ChunkedAttention):
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
-        slot, past, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
+        slot, past, decoding, key_mask = self.cached_inputs(hidden_states, attention_mask, cache)
         qk, v = self._project(hidden_states, position_ids, past)
-        if past > 0:
-            out = self._decode(qk, v, None if key_mask is None else key_mask[:, past:], slot)
+        if decoding:
+            out = self._decode(qk, v, key_mask, slot)
         else:
             out = self._attend(qk, v, key_mask, recompute, slot)
         return self.output(self.merge_heads(out))
@@ -264,12 +270,15 @@ class LSHAttention(ChunkedAttention):
     def new_cache_layer(self):
         return TokenBufferLayer(derived_from_tokens=("recent",))
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        return StaticTokenBufferLayer(max_cache_len, derived_from_tokens=("recent",))
+
     def _decode(self, qk, v, new_mask, cache: TokenBufferLayer) -> torch.Tensor:
         """Attention of new tokens over the cache. Several new tokens (a step of assisted decoding) run one after
         the other, since each must see the ones before it in its bucket lists; generate() sends one."""
         if "recent" not in cache.sequence:  # dropped by a crop: rebuild it from the stored buckets
-            cache.sequence["recent"] = recent_keys_by_bucket(cache.tokens("buckets"), math.prod(self.bucket_factors()),
-                                                             self.recent_size)
+            cache.sequence["recent"] = recent_keys_by_bucket(cache.written_tokens("buckets"),
+                                                             math.prod(self.bucket_factors()), self.recent_size)
         outs = []
         for i in range(qk.shape[2]):
             valid = new_mask[:, i:i + 1] if new_mask is not None else self.all_real(None, qk.shape[0], 1, qk.device)
@@ -280,13 +289,15 @@ class LSHAttention(ChunkedAttention):
         """One new token: join its buckets' recent lists, then attend to its own key and to the recent keys of its
         bucket in every round (a softmax over the union with the duplicate correction)."""
         batch, heads, _, _ = qk.shape
-        t = cache.get_seq_length()
+        t = new_token_index(cache, qk.device)
         listed = self.join_bucket_lists(qk, v, valid, cache)
         out = self._attend_to_cached(qk, listed.reshape(batch, heads, -1), t, cache, self.duplicate_correction)
         threshold = self.full_attention_threshold
         # The first `threshold` real positions of a row attend fully (as the forward does). A row's first real token
         # came in the prefill, so past `prefill length + threshold` no row is below the threshold: no check needed.
-        if threshold > 0 and t < cache.start_length + threshold:
+        # A static slot's count is a device tensor that a decode step must not read: it always takes the check.
+        static = isinstance(cache, StaticTokenBufferLayer)
+        if threshold > 0 and (static or t < cache.start_length + threshold):
             lead = cache.sequence["lead"]
             window = lead[:, None, None] + torch.arange(threshold, device=qk.device)  # [B, 1, T]
             window = torch.where(window <= t, window, -1).expand(batch, heads, threshold)
@@ -299,7 +310,7 @@ class LSHAttention(ChunkedAttention):
         to the cache; returns [B, H, R, K + 1]: the cache indices of the K most recent keys of its bucket in every
         round before it (-1 where there are fewer), then t itself."""
         batch, heads, _, _ = qk.shape
-        t = cache.get_seq_length()
+        t = new_token_index(cache, qk.device)
         factors = self.bucket_factors()
         buckets = hash_buckets(qk, cache.sequence["rotations"], factors)  # [B, H, R, 1]
         buckets = buckets.masked_fill(~valid[:, None, None, :], math.prod(factors))
@@ -309,9 +320,9 @@ class LSHAttention(ChunkedAttention):
         bucket_rows = buckets[..., None].expand(batch, heads, rounds, 1, k)
         previous = recent.gather(3, bucket_rows)  # [B, H, R, 1, K], before this token is added
         recent.scatter_(3, bucket_rows, torch.cat(
-            [previous[..., 1:], previous.new_full((batch, heads, rounds, 1, 1), t)], dim=-1))
+            [previous[..., 1:], t.expand(batch, heads, rounds, 1, 1)], dim=-1))
         cache.append(keys=qk, values=v, buckets=buckets, valid=valid)
-        return torch.cat([previous[:, :, :, 0], previous.new_full((batch, heads, rounds, 1), t)], dim=-1)
+        return torch.cat([previous[:, :, :, 0], t.expand(batch, heads, rounds, 1)], dim=-1)
 
     def _attend_to_cached(self, qk, index, t, cache: TokenBufferLayer, correction: bool) -> torch.Tensor:
         """Shared-QK attention of the new token (cache index t) over the cached keys at `index` [B, H, n] (-1: none),

@@ -14,11 +14,19 @@ and cached decoding equals the full forward); the biased one is deterministic. C
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import (
+    ZooAttention,
+    allowed_keys,
+    check_attention_mask,
+    register_attention,
+    static_allowed_keys,
+    static_key_mask,
+)
 from attnzoo.modeling.attention.counter_random import counter_uniform
 from attnzoo.modeling.attention.random_features import sample_noise_std
+from attnzoo.transformers_compat import static_written_length
 
 
 def sample_index(scores: torch.Tensor, num_samples: int, uniform: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +91,9 @@ class RandomizedAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        return StaticLayer(max_cache_len)  # keys beyond those written are masked (`static_allowed_keys`)
+
     def _inputs(self, hidden_states, attention_mask, cache, position_ids):
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -93,12 +104,17 @@ class RandomizedAttention(ZooAttention):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         k, v = self.expand_kv(k), self.expand_kv(v)
-        key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
-        allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
+        written = static_written_length(self.cache_slot(cache))
+        if written is not None:  # preallocated keys, of which `written` are filled
+            key_mask = static_key_mask(attention_mask, q.shape[0], k.shape[2]) if attention_mask is not None else None
+            allowed = static_allowed_keys(key_mask, written, q.shape[2], k.shape[2], self.causal, q.device)
+        else:
+            key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
+            allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)
         scale = self.head_dim ** -0.25
         return q.to(compute) * scale, k.to(compute) * scale, v.to(compute), allowed, key_mask
 
-    def index_uniform(self, key_mask, batch: int, queries: int, keys: int, device) -> torch.Tensor | None:
+    def index_uniform(self, key_mask, batch: int, queries: int, keys: int, device, cache=None) -> torch.Tensor | None:
         """Evaluation draws of the sampled index: uniforms that are a function of (eval_seed, layer, head, query
         position, sample, key position), positions counting real tokens only, so outputs do not depend on the call,
         the batch, left padding or a cache (cached decoding equals the full forward). None in training or with
@@ -111,25 +127,29 @@ class RandomizedAttention(ZooAttention):
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
         heads = torch.arange(self.num_heads, device=device)[None, :, None, None, None]
         samples = torch.arange(self.num_samples, device=device)[None, None, None, :, None]
-        query_positions = positions[:, -queries:][:, None, :, None, None]
+        written = static_written_length(self.cache_slot(cache)) if cache is not None else None
+        # The queries are the last of the keys written (a static slot's keys continue past them, unwritten).
+        query_columns = (keys if written is None else written) - queries + torch.arange(queries, device=device)
+        query_positions = positions.expand(batch, -1).gather(1, query_columns[None].expand(batch, -1))
+        query_positions = query_positions[:, None, :, None, None]
         key_positions = positions[:, None, None, None, :]
         return counter_uniform(self.eval_seed + self.layer_idx, heads, query_positions, samples, key_positions)
 
-    def sample_omega(self, q_hat, k_hat, allowed, key_mask) -> torch.Tensor:
-        uniform = self.index_uniform(key_mask, q_hat.shape[0], q_hat.shape[2], k_hat.shape[2], q_hat.device)
+    def sample_omega(self, q_hat, k_hat, allowed, key_mask, cache=None) -> torch.Tensor:
+        uniform = self.index_uniform(key_mask, q_hat.shape[0], q_hat.shape[2], k_hat.shape[2], q_hat.device, cache)
         return sample_omega(q_hat, k_hat, allowed, self.variant, self.num_samples,
                             self.noise_std if self.training else 0.0, uniform)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
-        out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask), k_hat, v, allowed)
+        out = randomized_aggregate(self.sample_omega(q_hat, k_hat, allowed, key_mask, cache), k_hat, v, allowed)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         """The same draws, with f written as the ratio of the mixture's densities, query factor included:
         f_n(ω) = Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω) v_m / Σ_m ξ(q̂_n, ω) ξ(k̂_m, ω), ξ(x, ω) = exp(ω·x − ‖x‖²/2)."""
         q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
-        omega = self.sample_omega(q_hat, k_hat, allowed, key_mask)
+        omega = self.sample_omega(q_hat, k_hat, allowed, key_mask, cache)
         xi_q = torch.exp((omega * q_hat.unsqueeze(3)).sum(-1) - 0.5 * (q_hat * q_hat).sum(-1, keepdim=True))
         xi_k = torch.exp(torch.einsum("bhnsd,bhmd->bhnsm", omega, k_hat) - 0.5 * (k_hat * k_hat).sum(-1)[:, :, None,
                                                                                                          None])

@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer, StaticLayer
 
-from attnzoo.modeling.attention.base import ZooAttention, allowed_keys, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import (
+    ZooAttention,
+    allowed_keys,
+    check_attention_mask,
+    register_attention,
+    static_allowed_keys,
+    static_key_mask,
+)
 from attnzoo.transformers_compat import static_written_length
 
 
@@ -45,9 +52,10 @@ class SoftmaxAttention(ZooAttention):
     def new_cache_layer(self):
         return DynamicLayer()
 
-    def cache_layer_types(self) -> tuple[type, ...]:
-        # transformers' StaticCache too: its preallocated keys are masked by what was written (`_static_allowed`)
-        return (DynamicLayer, StaticLayer)
+    def new_static_cache_layer(self, max_cache_len: int):
+        # preallocated keys and values, masked by what was written (`static_allowed_keys`); a caller's StaticCache
+        # holds the same slots
+        return StaticLayer(max_cache_len)
 
     def _project(self, hidden_states, cache, position_ids):
         q = self.split_heads(self.q_proj(hidden_states))
@@ -61,27 +69,13 @@ class SoftmaxAttention(ZooAttention):
             k, v = cache.update(k, v, self.layer_idx)
         return q, self.expand_kv(k), self.expand_kv(v)
 
-    def _static_allowed(self, attention_mask, written, query_len: int, key_len: int, device) -> torch.Tensor:
-        """Bool [batch|1, 1, query_len, key_len] over a static slot's preallocated keys: the `written` first ones
-        (the queries are the last `query_len` of them), causally, minus padded keys; tensors only, so a decode step
-        can be captured in a CUDA graph."""
-        key_index = torch.arange(key_len, device=device)
-        query_index = written - query_len + torch.arange(query_len, device=device)
-        allowed = (key_index < written)[None, :]
-        if self.causal:
-            allowed = allowed & (key_index[None, :] <= query_index[:, None])
-        allowed = allowed[None, None]
-        if attention_mask is not None:  # the mask covers the written keys; the unwritten ones are masked above
-            key_mask = check_attention_mask(attention_mask, attention_mask.shape[0], attention_mask.shape[1])
-            allowed = allowed & F.pad(key_mask, (0, key_len - key_mask.shape[1]))[:, None, None, :]
-        return allowed | (key_index[None, :] == query_index[:, None])  # a padded query sees itself: no empty row
-
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         q, k, v = self._project(hidden_states, cache, position_ids)
         query_len, key_len = q.shape[2], k.shape[2]
         written = static_written_length(self.cache_slot(cache))
         if written is not None:
-            allowed = self._static_allowed(attention_mask, written, query_len, key_len, q.device)
+            key_mask = static_key_mask(attention_mask, q.shape[0], key_len) if attention_mask is not None else None
+            allowed = static_allowed_keys(key_mask, written, query_len, key_len, self.causal, q.device)
             out = _sdpa(q, k, v, allowed, False, self.dropout if self.training else 0.0)
             return self.o_proj(self.merge_heads(out))
         key_mask = check_attention_mask(attention_mask, q.shape[0], key_len)
@@ -96,7 +90,8 @@ class SoftmaxAttention(ZooAttention):
         q, k, v = self._project(hidden_states, cache, position_ids)
         written = static_written_length(self.cache_slot(cache))
         if written is not None:
-            allowed = self._static_allowed(attention_mask, written, q.shape[2], k.shape[2], q.device)
+            key_mask = static_key_mask(attention_mask, q.shape[0], k.shape[2]) if attention_mask is not None else None
+            allowed = static_allowed_keys(key_mask, written, q.shape[2], k.shape[2], self.causal, q.device)
             return self.o_proj(self.merge_heads(softmax_attention_reference(q, k, v, allowed)))
         key_mask = check_attention_mask(attention_mask, q.shape[0], k.shape[2])
         allowed = allowed_keys(key_mask, q.shape[2], k.shape[2], self.causal, q.device)

@@ -101,6 +101,9 @@ class WindowInsideLayer:
         self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
 
+    def new_static_cache_layer(self, max_cache_len: int):
+        return None  # the window and the family's far state are updated out of place: no static slot yet
+
 
 class WindowStateLayer(RecurrentStateLayer):
     """Decoding state of a window-with-sinks layer: the sinks' keys and values [B, kv_heads, S, d] with their

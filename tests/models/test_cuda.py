@@ -1,7 +1,7 @@
 """GPU-only checks of what the CPU suite cannot reach: CUDA RNG replay and autocast in the reversible backward, the
-LSH/local paths on CUDA against the CPU, and cached decoding there. They run wherever CUDA is available (the
-project's GPU sessions); the CPU suite covers the same logic on the CPU. (The fused kernels' own tests are in
-tests/ops, which run on CPU through Triton's interpreter.)"""
+LSH/local paths on CUDA against the CPU, cached decoding there, and graph-captured (CUDA graph) static decoding.
+They run wherever CUDA is available (the project's GPU sessions); the CPU suite covers the same logic on the CPU.
+(The fused kernels' own tests are in tests/ops, which run on CPU through Triton's interpreter.)"""
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from tests.attention.helpers import (
     lm_config,
     padding_mask,
 )
+from tests.models.test_static_cache import compiled_static_decode, static_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -102,3 +103,13 @@ def test_reversible_backward_with_hashing_replays_buckets_dropout_and_autocast(a
 def test_cached_decoding_equals_the_full_forward():
     model = decoding_model(max_position_embeddings=64).to("cuda")
     assert_cached_decoding_equals_full_forward(model, torch.randint(2, 37, (2, 30), device="cuda"), prefix=11)
+
+
+@pytest.mark.parametrize("name", ["softmax_rotary_gqa", "ra", "favor", "elu", "lara", "reformer", "hybrid"])
+def test_graph_captured_static_decoding_equals_eager(name):
+    """A static cache's decode step compiled with mode="reduce-overhead" (inductor + CUDA graphs: the graph is
+    recorded once and replayed, in place on the cache's fixed addresses) gives the eager logits, from one graph."""
+    eager, got, frames = compiled_static_decode(static_model(name, torch.float32).cuda(), "inductor",
+                                                mode="reduce-overhead")
+    assert frames == 1
+    torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-4)

@@ -214,22 +214,24 @@ def test_static_cache_bad_input_is_refused_with_the_fix():
 def static_decode(model, step, capacity=16):
     """Prefill 6 tokens of a left-padded batch eagerly, then 6 steps through `step`, with a mask of the cache's
     capacity (fixed shapes): [batch, 7, vocab] logits."""
-    ids, mask = left_padded_batch()
-    wide = torch.cat([mask, torch.ones(2, capacity - mask.shape[1], dtype=mask.dtype)], 1)
+    ids, mask = (x.to(model.device) for x in left_padded_batch())
+    wide = torch.cat([mask, torch.ones_like(mask[:, :capacity - mask.shape[1]])], 1)
     cache = model.new_decoding_cache(max_cache_len=capacity)
     logits = [model(ids[:, :6], attention_mask=mask[:, :6], cache=cache, use_cache=True).logits[:, -1]]
-    for t in range(6, 12):
-        logits.append(step(ids[:, t:t + 1], cache, wide))
+    for t in range(6, 12):  # a copy: a CUDA graph's outputs are overwritten by its next replay
+        logits.append(step(ids[:, t:t + 1], cache, wide).clone())
     return torch.stack(logits, 1)
 
 
-def compiled_static_decode(model, backend):
+def compiled_static_decode(model, backend, mode=None):
+    """(eager logits, compiled logits, frames compiled) of `static_decode`, the step compiled whole with static
+    shapes (`mode="reduce-overhead"`: CUDA graphs)."""
     def step(token, cache, mask):
         return model(token, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter, mode=mode)
     with torch.no_grad():
         eager, got = static_decode(model, step), static_decode(model, compiled)
     return eager, got, counter.frame_count

@@ -149,8 +149,9 @@ class WindowMask:
         """Mask [N, C, m, W] scores in place: -inf where disallowed (including keys an earlier round attended),
         then the self penalty."""
         scores.masked_fill_(self.disallowed(), float("-inf"))
-        if self.self_penalty:
-            scores.masked_fill_(self._own_key(scores), mask_values(scores.dtype)[1])
+        if self.self_penalty:  # the own keys are one diagonal of the own chunk's block: write just those
+            m = self.chunk_length
+            scores.narrow(-1, self.before * m, m).diagonal(dim1=-2, dim2=-1).fill_(mask_values(scores.dtype)[1])
         return scores
 
     def apply(self, scores: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,8 @@ def _padded_flat(x: torch.Tensor, before: int, after: int, finite: bool = False)
     flat = x.reshape(-1, *x.shape[-2:])
     if before == 0 and after == 0:
         return flat.contiguous()  # `_flat_windows` reads it with contiguous strides; no window leaves its row
-    padded = F.pad(flat, (0, 0, 0, 0, before, after))
+    # torch.cat writes every element once (F.pad fills the whole output, then copies the inside over it)
+    padded = torch.cat([flat.new_zeros(before, *flat.shape[1:]), flat, flat.new_zeros(after, *flat.shape[1:])])
     return padded.nan_to_num_(0.0, 0.0, 0.0) if finite else padded
 
 
@@ -202,14 +204,22 @@ def _masked_scores(q, k_windows, mask: WindowMask, scale: float) -> torch.Tensor
 
 
 def _softmax_(scores: torch.Tensor):
-    """In-place softmax of masked scores -> (probs, lse [..., 1]); rows with nothing allowed get probs 0 and the
-    floor log-sum-exp."""
+    """Softmax of masked scores -> (probs, lse [..., 1]); rows with nothing allowed (best score below the floor, -inf
+    when every key is masked) get probs 0 and the floor log-sum-exp. `scores` is overwritten.
+
+    One fused `torch.softmax` (on the CPU several times faster than exp_ over the masked scores: exp of -inf is a
+    slow path there). The log-sum-exp comes from the largest probability, exp(0) / sum: lse = max - log(p_max)."""
     floor = mask_values(scores.dtype)[0]
-    top = scores.amax(dim=-1, keepdim=True).clamp_(min=floor)
-    probs = scores.sub_(top).exp_()
-    total = probs.sum(dim=-1, keepdim=True).clamp_(min=1.0)  # >= 1 whenever a key is allowed (its max gives 1)
-    probs.div_(total)
-    return probs, top.add_(total.log_())
+    top = scores.amax(dim=-1, keepdim=True)
+    empty = top < floor
+    # An empty row gets one score 0 (every other one is below the floor, so its exp is exactly 0): the softmax then
+    # stays finite (no 0/0), with probability 1 on that entry, zeroed below.
+    first = scores.narrow(-1, 0, 1)
+    first.masked_fill_(empty, 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    largest = probs.amax(dim=-1, keepdim=True)
+    probs.narrow(-1, 0, 1).masked_fill_(empty, 0.0)
+    return probs, top.clamp_(min=floor).sub_(largest.log_())
 
 
 class WindowedAttention(torch.autograd.Function):
@@ -250,8 +260,8 @@ class WindowedAttention(torch.autograd.Function):
         q_flat = q.reshape(num_chunks, *shape[-2:])
         k_windows = _flat_windows(k_padded, num_chunks, blocks)
         v_windows = _flat_windows(v_padded, num_chunks, blocks)
-        if probs is None:
-            probs = _masked_scores(q_flat, k_windows, mask, scale).sub_(lse).exp_()
+        if probs is None:  # the forward's probabilities again (up to rounding), through the fused softmax
+            probs = _softmax_(_masked_scores(q_flat, k_windows, mask, scale))[0]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grad_out_flat = grad_out.reshape(num_chunks, *shape[-2:])
@@ -284,11 +294,25 @@ def _fold(weights: torch.Tensor, x: torch.Tensor, padded_like: torch.Tensor, bef
     added to the chunk that block came from; returns the [N * C, m, d] real rows."""
     num_chunks = x.shape[0]
     blocks = weights.shape[-1] // m
-    total = torch.zeros_like(padded_like)
+    # Only the real rows are kept: block b of chunk c lands in row c + b - before. Block 0 writes its rows (no
+    # zero-filled buffer), the few rows it does not reach start at 0, and the other blocks add in block order, as
+    # accumulating every block into zeros would.
+    total = padded_like.new_empty((num_chunks, *padded_like.shape[1:]))
     for block in range(blocks):  # a handful of window blocks, each one batched matmul over every chunk
-        part = weights[:, :, block * m:(block + 1) * m].transpose(1, 2)
-        total.narrow(0, block, num_chunks).baddbmm_(part, x)
-    return total.narrow(0, before, num_chunks)
+        shift = block - before
+        lo, hi = max(0, -shift), min(num_chunks, num_chunks - shift)
+        if block == 0:
+            reached = max(hi + shift, 0) if hi > lo else 0
+            total.narrow(0, reached, num_chunks - reached).zero_()
+        if hi <= lo:
+            continue
+        part = weights[lo:hi, :, block * m:(block + 1) * m].transpose(1, 2)
+        rows = total.narrow(0, lo + shift, hi - lo)
+        if block == 0:
+            torch.bmm(part, x[lo:hi], out=rows)
+        else:
+            rows.baddbmm_(part, x[lo:hi])
+    return total
 
 
 def windowed_attention(q, k, v, mask: WindowMask, scale: float = 1.0, dropout_p: float = 0.0,

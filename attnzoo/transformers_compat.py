@@ -64,9 +64,12 @@ def take_cache(cache, kwargs: dict):
         value = kwargs.pop(name, None)
         if value is not None:
             given[name] = value
-    if len({id(value) for value in given.values()}) > 1:
+    values = list(given.values())
+    # Compared by identity with `is`: `id()` inside a compiled forward would make torch.compile guard on the cache
+    # object's id, and recompile the decode step for every new cache (every generate() call).
+    if any(value is not values[0] for value in values[1:]):
         raise ValueError(f"two different caches were passed ({', '.join(given)}); pass one, as `cache=`.")
-    return next(iter(given.values()), None)
+    return values[0] if values else None
 
 
 def with_cache(output_class, cache, **fields):
@@ -155,7 +158,13 @@ def _generation_cache_length(prepare_cache, generation_config, args, kwargs) -> 
         passed = {}
     length = passed.get("max_cache_length") or generation_config.max_length
     ceiling = getattr(generation_config, "max_cache_len", None)
-    return max(length, ceiling) if ceiling else length
+    if ceiling is None:
+        return length
+    if isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < 1:
+        raise ValueError(f"max_cache_len={ceiling!r} is invalid: pass the number of positions the static cache must "
+                         "hold (a positive int, at least prompt plus new tokens), or leave it unset (generate() "
+                         "then sizes the cache for this call).")
+    return max(length, ceiling)
 
 
 def static_written_length(slot) -> torch.Tensor | None:

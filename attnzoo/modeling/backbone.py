@@ -208,9 +208,8 @@ class ZooTransformer(nn.Module):
         # its capacity's columns (those not written yet count as padding), so every decode step has the same shapes.
         past_length = cache.get_seq_length() if cache is not None else 0
         capacity = static_capacity(cache)
-        if capacity is not None and not isinstance(past_length, torch.Tensor) and length > capacity:
-            raise ValueError(f"the input has {length} tokens but the static cache holds max_cache_len={capacity}; "
-                             "build the cache with a larger max_cache_len.")
+        if capacity is not None:
+            self._check_static_capacity(capacity, past_length, length)
         if attention_mask is not None:
             attention_mask = padding_mask(attention_mask, batch)
             if capacity is not None:
@@ -222,7 +221,8 @@ class ZooTransformer(nn.Module):
                 )
         hidden = inputs_embeds
         if self.positions is not None:
-            self.positions.check_length(past_length + length if capacity is None else capacity)
+            if capacity is None:  # a static cache's capacity was checked against the positions above
+                self.positions.check_length(past_length + length)
             if position_ids is None:
                 position_ids = self._position_ids(attention_mask, past_length, length, inputs_embeds.device)
             pos = self.positions(position_ids)
@@ -249,6 +249,24 @@ class ZooTransformer(nn.Module):
         if all_hidden is not None:  # the last entry is the final normalised output, as GPT-2 and Llama give it
             all_hidden[-1] = hidden
         return hidden, (tuple(all_hidden) if all_hidden is not None else None)
+
+    def _check_static_capacity(self, capacity: int, past_length, length: int) -> None:
+        """Refuse input that a static cache of `capacity` positions cannot hold (its writes would fall outside its
+        buffers): checked on the host in eager mode (one read of the count per forward); a compiled step cannot
+        read it, and an out-of-range write fails there as an index error."""
+        if self.positions is not None and self.positions.kind in ("learned", "axial") and \
+                capacity > self.positions.max_positions:
+            raise ValueError(f"max_cache_len={capacity} exceeds max_position_embeddings="
+                             f"{self.positions.max_positions}, the positions this model has; build the static cache "
+                             f"with max_cache_len <= {self.positions.max_positions} (generate(): max_new_tokens and "
+                             "generation_config.max_cache_len).")
+        if torch.compiler.is_compiling():
+            return
+        total = int(past_length) + length
+        if total > capacity:
+            raise ValueError(f"the cache holds {int(past_length)} positions and the input adds {length}, but the "
+                             f"static cache holds max_cache_len={capacity}; build the cache with max_cache_len >= "
+                             f"{total} (generate(): it is sized from max_new_tokens).")
 
     @staticmethod
     def _position_ids(attention_mask, past_length, length, device):

@@ -10,7 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, DynamicCache, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    CompileConfig,
+    DynamicCache,
+    GenerationConfig,
+    StaticCache,
+)
+from transformers.cache_utils import DynamicLayer
 
 from attnzoo import ZooSoftmaxConfig
 from attnzoo.modeling.cache import StaticRecurrentStateLayer, StaticTokenBufferLayer
@@ -86,6 +94,9 @@ def test_other_attentions_refuse_a_transformers_cache_they_would_read_wrongly(fa
         with pytest.raises(ValueError, match=rf"holds a {type(cache.layers[0]).__name__} for layer 0.*"
                                              r"model\.new_decoding_cache\(\)"):
             model(ids, cache=cache, use_cache=True)
+    if not any(issubclass(kind, DynamicLayer) for kind in accepted):  # an empty DynamicCache() has no slot at all
+        with pytest.raises(ValueError, match=r"has no slot for layer 0.*model\.new_decoding_cache\(\)"):
+            model(ids, cache=DynamicCache(), use_cache=True)
     own = model.new_decoding_cache()  # the fix the message names works
     model(ids, cache=own, use_cache=True)
 
@@ -135,6 +146,12 @@ def test_generate_with_a_static_cache_equals_the_growing_cache(name):
                            return_dict_in_generate=True, do_sample=False)[CACHE_KW]
     assert all(layer.max_cache_len == 12 + 9 - 1 for layer in cache.layers)
     assert all(getattr(layer, "is_compileable", False) for layer in cache.layers)
+    # one prompt, the most common call (a batch of one row once made LARA's two proposal branches disagree)
+    single = [model.generate(ids[:1], max_new_tokens=9, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **extra)
+              for extra in ({}, {"cache_implementation": "static"})]
+    assert torch.equal(single[0].sequences, single[1].sequences)
+    torch.testing.assert_close(torch.stack(single[1].scores), torch.stack(single[0].scores), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["softmax", "ra", "favor", "lara", "reformer"])
@@ -194,8 +211,22 @@ def test_static_cache_bad_input_is_refused_with_the_fix():
     for bad in (0, -3, 2.5, True, "16"):
         with pytest.raises(ValueError, match=r"max_cache_len=.* is invalid: pass the number of positions"):
             model.new_decoding_cache(max_cache_len=bad)
-    with pytest.raises(ValueError, match=r"the input has 12 tokens but the static cache holds max_cache_len=8"):
+    with pytest.raises(ValueError, match=r"the cache holds 0 positions and the input adds 12, but the static cache "
+                                         r"holds max_cache_len=8; build the cache with max_cache_len >= 12"):
         model(ids, attention_mask=mask, cache=model.new_decoding_cache(max_cache_len=8), use_cache=True)
+    cache = model.new_decoding_cache(max_cache_len=13)  # decoding past the capacity is refused before any write
+    model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    model(ids[:, :1], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"the cache holds 13 positions and the input adds 1.*max_cache_len=13"):
+        model(ids[:, :1], cache=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 13
+    learned = static_model("softmax", max_position_embeddings=64)  # learned positions: 64 of them
+    with pytest.raises(ValueError, match=r"max_cache_len=80 exceeds max_position_embeddings=64.*max_cache_len <= 64"):
+        learned(ids, cache=learned.new_decoding_cache(max_cache_len=80), use_cache=True)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"max_cache_len={bad} is invalid"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="static",
+                           max_cache_len=bad)
     cache = model.new_decoding_cache(max_cache_len=12)
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 13\); with a static cache of "
                                          r"max_cache_len=12"):
@@ -245,6 +276,37 @@ def test_a_static_decode_step_traces_as_one_graph_that_is_never_recompiled(name)
     eager, got, frames = compiled_static_decode(static_model(name, torch.float32), "eager")
     assert frames == 1
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_new_caches_and_generate_calls_reuse_one_compiled_step():
+    """torch.compile guards on what a step reads; nothing may depend on which cache object is passed, or every
+    generate() call (a new cache each) would compile the step again."""
+    for name in ("favor", "lara", "reformer"):
+        model = static_model(name, torch.float32)
+
+        def step(token, cache, mask, model=model):
+            return model(token, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=counter)
+        with torch.no_grad():
+            first, second = static_decode(model, compiled), static_decode(model, compiled)  # two caches
+        assert counter.frame_count == 1
+        torch.testing.assert_close(second, first, rtol=0, atol=0)
+    graphs = []
+
+    def counting_backend(graph, example_inputs, **options):  # generate() passes its CompileConfig's mode too
+        graphs.append(graph)
+        return graph.forward
+
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, cache_implementation="static", max_cache_len=24,
+                              compile_config=CompileConfig(backend=counting_backend, fullgraph=True, dynamic=False))
+    config.compile_config._compile_all_devices = True  # transformers compiles the decode step itself on GPUs only
+    ids, mask = left_padded_batch()
+    torch._dynamo.reset()
+    runs = [model.generate(ids, attention_mask=mask, generation_config=config) for _ in range(3)]
+    assert len(graphs) == 1 and all(torch.equal(run, runs[0]) for run in runs)
 
 
 @pytest.mark.slow

@@ -53,6 +53,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from attnzoo.modeling.rotary import RotaryEmbedding
 
@@ -210,14 +211,21 @@ class ZooAttention(nn.Module):
         """Refuse a cache whose slot for this layer holds another kind of state (e.g. a transformers `StaticCache`
         or `DynamicCache` in front of a recurrent FAVOR+ layer), which would be read wrongly and silently. A slot not
         created yet (a `DynamicCache()` adds them as layers write) is left to the cache."""
-        if cache is None or self.layer_idx >= len(getattr(cache, "layers", ())):
+        if cache is None:
             return
-        slot, accepted = cache.layers[self.layer_idx], self.cache_layer_types()
+        accepted = self.cache_layer_types()
+        names = " or ".join(kind.__name__ for kind in accepted)
+        fix = "pass no cache (the model builds its own, as generate() does) or one from model.new_decoding_cache()."
+        if self.layer_idx >= len(getattr(cache, "layers", ())):
+            # an empty `DynamicCache()` adds key/value slots as layers write: fine for an attention that keeps those
+            if not any(issubclass(kind, DynamicLayer) for kind in accepted):
+                raise ValueError(f"the cache passed has no slot for layer {self.layer_idx}, whose {self.name!r} "
+                                 f"attention decodes from a {names}; {fix}")
+            return
+        slot = cache.layers[self.layer_idx]
         if type(slot) not in accepted:
-            names = " or ".join(kind.__name__ for kind in accepted)
             raise ValueError(f"the cache passed holds a {type(slot).__name__} for layer {self.layer_idx}, whose "
-                             f"{self.name!r} attention decodes from a {names}; pass no cache (the model builds its "
-                             "own, as generate() does) or one from model.new_decoding_cache().")
+                             f"{self.name!r} attention decodes from a {names}; {fix}")
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, length, heads * head_dim] -> [batch, heads, length, head_dim] (key/value projections of a

@@ -225,7 +225,10 @@ class CausalLARA(LARABase):
         log_k = log_features_at(keys, omega.unsqueeze(2)).squeeze(-1).masked_fill(~valid[:, None], float("-inf"))
         c = log_k.amax(-1)
         weights = torch.exp(log_k - c.unsqueeze(-1))
-        return omega, mu, q_bar, torch.einsum("bhn,bhne->bhe", weights, values), weights.sum(-1), c
+        proposal = (omega, mu, q_bar, torch.einsum("bhn,bhne->bhe", weights, values), weights.sum(-1), c)
+        # Dense layouts, as `_no_proposal`'s: the two branches' outputs must have the same strides (with one row,
+        # some of these would otherwise come out with others).
+        return tuple(x.clone(memory_format=torch.contiguous_format) for x in proposal)
 
     def _add_proposals(self, layer, rows):
         """Proposals for rows that just completed a chunk: Eq. 34 from the chunk's landmarks, with prefix sums over

@@ -188,30 +188,20 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         self.sequence = {name: fn(t) for name, t in self.sequence.items()}
 
 
-class StaticRecurrentStateLayer(RecurrentStateLayer):
-    """A `RecurrentStateLayer` for compiled and graph-captured decoding: the state is allocated by the prefill and
-    then updated in place (fixed shapes and addresses), and the position count is a 0-d tensor on the state's device
-    (as in transformers' `StaticLayer`), so no step reads a host value that changes. `max_cache_len` bounds the
-    positions (and the attention mask's columns), not the state, whose size never depends on the length."""
+class StaticSlot:
+    """What the static slots share (mixed in before their growing counterpart): a capacity of `max_cache_len`
+    positions, the count of cached positions as a 0-d tensor on the slot's device (as transformers' `StaticLayer`
+    keeps it), so that no decode step reads a host value that changes, and beam reordering in place, so that a
+    compiled step (a CUDA graph) keeps the addresses it was built on."""
 
     is_compileable = True
 
-    def __init__(self, max_cache_len: int):
-        super().__init__()
+    def _set_capacity(self, max_cache_len) -> None:
         self.max_cache_len = check_static_capacity(max_cache_len)
         self.written = torch.zeros((), dtype=torch.long)
 
-    def store(self, new_tokens: int, **tensors: torch.Tensor) -> None:
-        if not self.state:  # the prefill: the state's shapes and device are known from here on
-            self.state = {name: _fixed_address(t.detach().clone(memory_format=torch.contiguous_format))
-                          for name, t in tensors.items()}
-            self.written = _fixed_address(torch.full((), new_tokens, dtype=torch.long, device=tensors[next(iter(
-                tensors))].device))
-            self.is_initialized = True
-            return
-        for name, t in tensors.items():
-            self.state[name].copy_(t)
-        self.written.add_(new_tokens)
+    def _start_count(self, count: int, device) -> None:
+        self.written = _fixed_address(torch.full((), count, dtype=torch.long, device=device))
 
     def get_seq_length(self) -> torch.Tensor | int:
         return self.written if self.is_initialized else 0
@@ -227,28 +217,50 @@ class StaticRecurrentStateLayer(RecurrentStateLayer):
         self.written = torch.zeros((), dtype=torch.long)
         self.is_initialized = False
 
-    def _map(self, fn) -> None:
-        # In place where the batch keeps its size (beam reordering), so compiled steps keep their addresses.
-        for name, t in self.state.items():
+    @staticmethod
+    def _map_in_place(group: dict[str, torch.Tensor], fn) -> None:
+        """Replace every tensor t of `group` by fn(t): in place where the shape stays (beam reordering), else (batch
+        expansion, before decoding starts) by a new fixed-address tensor."""
+        for name, t in group.items():
             mapped = fn(t)
             if mapped.shape == t.shape:
                 t.copy_(mapped)
             else:
-                self.state[name] = _fixed_address(mapped)
+                group[name] = _fixed_address(mapped)
 
 
-class StaticTokenBufferLayer(TokenBufferLayer):
+class StaticRecurrentStateLayer(StaticSlot, RecurrentStateLayer):
+    """A `RecurrentStateLayer` for compiled and graph-captured decoding: the state is allocated by the prefill and
+    then updated in place (fixed shapes and addresses). `max_cache_len` bounds the positions (and the attention
+    mask's columns), not the state, whose size never depends on the length."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__()
+        self._set_capacity(max_cache_len)
+
+    def store(self, new_tokens: int, **tensors: torch.Tensor) -> None:
+        if not self.state:  # the prefill: the state's shapes and device are known from here on
+            self.state = {name: _fixed_address(t.detach().clone(memory_format=torch.contiguous_format))
+                          for name, t in tensors.items()}
+            self._start_count(new_tokens, next(iter(tensors.values())).device)
+            self.is_initialized = True
+            return
+        for name, t in tensors.items():
+            self.state[name].copy_(t)
+        self.written.add_(new_tokens)
+
+    def _map(self, fn) -> None:
+        self._map_in_place(self.state, fn)
+
+
+class StaticTokenBufferLayer(StaticSlot, TokenBufferLayer):
     """A `TokenBufferLayer` for compiled and graph-captured decoding: buffers of `max_cache_len` positions allocated
-    by the prefill, new tokens written in place at the position count, a 0-d tensor (as in transformers'
-    `StaticLayer`). `tokens()` returns the whole buffer: attentions read it by index, clamped to the written
-    positions, and mask what lies beyond them."""
-
-    is_compileable = True
+    by the prefill, new tokens written in place at the position count. `tokens()` returns the whole buffer:
+    attentions read it by index, clamped to the written positions, and mask what lies beyond them."""
 
     def __init__(self, max_cache_len: int, derived_from_tokens: tuple[str, ...] = ()):
         super().__init__(derived_from_tokens)
-        self.max_cache_len = check_static_capacity(max_cache_len)
-        self.written = torch.zeros((), dtype=torch.long)
+        self._set_capacity(max_cache_len)
 
     def start(self, tokens: dict[str, tuple[torch.Tensor, int]], **sequence: torch.Tensor) -> None:
         first, dim = next(iter(tokens.values()))
@@ -257,7 +269,7 @@ class StaticTokenBufferLayer(TokenBufferLayer):
                              f"max_cache_len={self.max_cache_len}; build the cache with a larger max_cache_len.")
         self.lazy_initialization(first, first)
         self.length = self.start_length = first.shape[dim]
-        self.written = _fixed_address(torch.full((), self.length, dtype=torch.long, device=first.device))
+        self._start_count(self.length, first.device)
         self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
         self.buffers = {name: _fixed_address(_grown(x.detach(), self.max_cache_len, dim))
                         for name, (x, dim) in tokens.items()}
@@ -266,8 +278,8 @@ class StaticTokenBufferLayer(TokenBufferLayer):
                          for name, t in sequence.items()}
 
     def append(self, **tokens: torch.Tensor) -> None:
-        """Write new tokens at the position count (past `max_cache_len` the writes would be lost: index_copy_
-        raises on an index out of range in eager mode)."""
+        """Write new tokens at the position count (the model refuses, in eager mode, a forward that would write past
+        `max_cache_len`)."""
         name, first = next(iter(tokens.items()))
         count = first.shape[self.token_dims[name]]
         index = self.written + torch.arange(count, device=self.written.device)
@@ -281,15 +293,6 @@ class StaticTokenBufferLayer(TokenBufferLayer):
     def written_tokens(self, name: str) -> torch.Tensor:
         return self.buffers[name].narrow(self.token_dims[name], 0, int(self.written))
 
-    def get_seq_length(self) -> torch.Tensor | int:
-        return self.written if self.is_initialized else 0
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
     def crop(self, tokens_to_remove: int) -> None:
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
@@ -300,18 +303,9 @@ class StaticTokenBufferLayer(TokenBufferLayer):
         for name in self.derived_from_tokens:
             self.sequence.pop(name, None)
 
-    def reset(self) -> None:
-        super().reset()
-        self.written = torch.zeros((), dtype=torch.long)
-
     def _map(self, fn) -> None:
-        for group in (self.buffers, self.sequence):
-            for name, t in group.items():
-                mapped = fn(t)
-                if mapped.shape == t.shape:
-                    t.copy_(mapped)
-                else:
-                    group[name] = _fixed_address(mapped)
+        self._map_in_place(self.buffers, fn)
+        self._map_in_place(self.sequence, fn)
 
 
 def _grown(x: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:

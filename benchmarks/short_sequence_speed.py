@@ -13,7 +13,9 @@ SDPA as the sequence grows (its crossover length), and what RA spends its time o
    crossover of an attention is the shortest length at which its step takes less time than SDPA's.
 3. RA's profile at the classifier's size: the operators with the most self time (torch.profiler).
 Times are medians of `--repeats` steps after a warm-up; ratios are against SDPA in the same run.
-Results: benchmarks/results/short_sequence_speed_<device>.json and .png.
+Results: benchmarks/results/short_sequence_speed_<device>.json and .png. A full run (not `--tiny`, default
+`--results`) also rewrites README.md's crossover table from every device's results file; `--readme_only` does just
+that.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import step_seconds, sync  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_START, TABLE_END = "<!-- crossover table: start -->", "<!-- crossover table: end -->"
+DEVICE_NAMES = {"cpu": "CPU", "cuda": "GPU"}
 #: name: (family, settings); "sdpa" is the baseline
 ATTENTIONS = {
     "sdpa": ("softmax", {}),
@@ -63,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: every core)")
     p.add_argument("--results", type=Path, default=None)
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (the test suite's)")
+    p.add_argument("--readme_only", action="store_true",
+                   help="only rewrite README.md's crossover table from the committed results files")
     return p
 
 
@@ -76,6 +83,9 @@ def check_arguments(args) -> None:
         raise ValueError(f"--crossover_lengths={args.crossover_lengths}: lengths must be at least 2.")
     if args.threads < 0:
         raise ValueError(f"--threads={args.threads} is invalid: 0 (every core) or a positive count.")
+    if args.readme_only and (args.tiny or args.results is not None or args.device != "cpu"):
+        raise ValueError("--readme_only rewrites README.md from the committed results files and runs nothing; drop "
+                         "--tiny, --results and --device, or drop --readme_only.")
 
 
 def build_model(name: str, args, length: int):
@@ -127,9 +137,56 @@ def ra_profile(args, top: int = 8) -> list[dict]:
              "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in events[:top]]
 
 
+def committed_reports() -> dict[str, dict]:
+    """{device: report} of the results files in benchmarks/results (cpu first)."""
+    return {device: json.loads(path.read_text()) for device in DEVICE_NAMES
+            if (path := RESULTS / f"short_sequence_speed_{device}.json").exists()}
+
+
+def crossover_table(reports: dict[str, dict]) -> str:
+    """README's table: per attention and device, its training step at the classifier's length as a multiple of
+    SDPA's, and the shortest length of the sweep from which it is faster than SDPA."""
+    if not reports:
+        raise ValueError(f"no short_sequence_speed_<device>.json in {RESULTS}; run the benchmark first.")
+    devices = list(reports)
+    header = ["attention"]
+    for device in devices:
+        setup = reports[device]["setup"]
+        label = f"{DEVICE_NAMES[device]} ({setup['device_name']}" + (
+            f", {setup['threads']} threads)" if device == "cpu" else ")")
+        header += [f"{label}: step at {setup['length']} tokens, x SDPA", f"{label}: faster than SDPA from"]
+    names = [n for n in ATTENTIONS if n != "sdpa" and any(n in r["crossover_length"] for r in reports.values())]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in names:
+        cells = [f"`{name}`"]
+        for device in devices:
+            report = reports[device]
+            ratio = report["classifier_ratio_to_sdpa"].get(name)
+            crossover = report["crossover_length"].get(name, "missing")
+            longest = max(report["setup"]["crossover_lengths"])
+            cells.append("" if ratio is None else f"{ratio:.2f}")
+            cells.append("" if crossover == "missing" else f"{crossover:,} tokens" if crossover is not None
+                         else f"not up to {longest:,}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def update_readme(reports: dict[str, dict], readme: Path = README) -> None:
+    """Replace what lies between README's crossover-table markers by `crossover_table(reports)`."""
+    text = readme.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} markers to put the table between.")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    readme.write_text(f"{head}{TABLE_START}\n{crossover_table(reports)}\n{TABLE_END}{tail}")
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     check_arguments(args)
+    if args.readme_only:
+        update_readme(committed_reports())
+        return {}
     if args.tiny:
         args.length, args.batch, args.crossover_lengths, args.tokens_per_step, args.repeats = 33, 2, [32, 64], 128, 1
     if args.threads:
@@ -173,6 +230,8 @@ def main(argv=None) -> dict:
     results.write_text(json.dumps(report, indent=2))
     plot(report, results.with_suffix(".png"))
     print(json.dumps({k: report[k] for k in ("classifier_ratio_to_sdpa", "crossover_length")}, indent=2))
+    if not args.tiny and args.results is None and set(args.attentions) == set(ATTENTIONS):  # the committed run
+        update_readme(committed_reports())
     return report
 
 

@@ -33,3 +33,34 @@ def test_tiny_run_measures_every_attention_against_sdpa(tmp_path):
 def test_bad_sizes_say_what_to_change(flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main([flag, value])
+
+
+def test_the_readme_shows_the_committed_crossovers():
+    reports = bench.committed_reports()
+    assert "cpu" in reports
+    table = bench.crossover_table(reports)
+    readme = (ROOT / "README.md").read_text()
+    assert f"{bench.TABLE_START}\n{table}\n{bench.TABLE_END}" in readme
+    cpu = reports["cpu"]
+    rows = {line.split(" | ")[0].strip("| `"): line for line in table.splitlines()[2:]}
+    assert set(rows) == set(cpu["crossover_length"])
+    for name, crossover in cpu["crossover_length"].items():
+        expected = f"{crossover:,} tokens" if crossover else f"not up to {max(cpu['setup']['crossover_lengths']):,}"
+        assert f"| {cpu['classifier_ratio_to_sdpa'][name]:.2f} | {expected} |" in rows[name]
+
+
+def test_readme_rewrite_replaces_only_the_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{bench.TABLE_START}\nold\n{bench.TABLE_END}\nafter\n")
+    bench.update_readme(bench.committed_reports(), readme)
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("\nafter\n") and "old" not in text and "| `lsh` |" in text
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        bench.update_readme(bench.committed_reports(), readme)
+
+
+@pytest.mark.parametrize("extra", [["--tiny"], ["--device", "cuda"], ["--results", "x.json"]])
+def test_readme_only_runs_nothing_else(extra):
+    with pytest.raises(ValueError, match="--readme_only"):
+        bench.main(["--readme_only", *extra])

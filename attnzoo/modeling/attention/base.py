@@ -210,7 +210,8 @@ class ZooAttention(nn.Module):
     def check_cache_slot(self, cache) -> None:
         """Refuse a cache whose slot for this layer holds another kind of state (e.g. a transformers `StaticCache`
         or `DynamicCache` in front of a recurrent FAVOR+ layer), which would be read wrongly and silently. A slot not
-        created yet (a `DynamicCache()` adds them as layers write) is left to the cache."""
+        created yet is left to the cache where this attention keeps keys and values (an empty `DynamicCache()` adds
+        such slots as layers write), and refused otherwise."""
         if cache is None:
             return
         accepted = self.cache_layer_types()

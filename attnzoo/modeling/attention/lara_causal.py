@@ -148,6 +148,7 @@ class CausalLARA(LARABase):
             return self._causal(hidden_states, attention_mask, layer, position_ids)
         # A continuation after the prefill; generate() feeds one token at a time, so this loop is not a hot path.
         past = layer.get_seq_length()
+        past = past.clone() if static else past  # a static slot's count moves on in place at every step
         step = self._static_step if static else self._step
         return torch.cat([step(hidden_states[:, t:t + 1], layer,
                                None if position_ids is None else position_ids[:, t:t + 1], past + t)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the uptraining benchmarks' run helpers
 
+from harness import write_between_markers  # noqa: E402
 from llama_uptraining import has_own_parameters, save_llama_source_init  # noqa: E402
 from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, train  # noqa: E402
 
@@ -310,12 +311,7 @@ def _percent(value) -> str:
 
 def update_readme(report: dict, readme: Path = README) -> None:
     """Replace the table between README.md's markers with the one rendered from `report`."""
-    text = readme.read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} markers to put the table between.")
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    readme.write_text(f"{head}{TABLE_START}\n{results_table(report)}\n{TABLE_END}{tail}")
+    write_between_markers(readme, TABLE_START, TABLE_END, results_table(report))
 
 
 def main(argv=None) -> dict:

@@ -66,3 +66,14 @@ def run_worker(script: str, args: list[str]) -> dict | None:
         print(f"worker {args} failed:\n{done.stderr[-1500:]}", file=sys.stderr)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_between_markers(path, start: str, end: str, body: str) -> None:
+    """Replace what lies between the lines `start` and `end` of the text file `path` by `body` (a README table
+    that a benchmark renders from its results); ValueError when the markers are missing."""
+    text = path.read_text()
+    if start not in text or end not in text:
+        raise ValueError(f"{path} has no {start} ... {end} markers to put the table between.")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{body}\n{end}{tail}")

@@ -32,7 +32,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import step_seconds, sync  # noqa: E402
+from harness import step_seconds, sync, write_between_markers  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -173,12 +173,7 @@ def crossover_table(reports: dict[str, dict]) -> str:
 
 def update_readme(reports: dict[str, dict], readme: Path = README) -> None:
     """Replace what lies between README's crossover-table markers by `crossover_table(reports)`."""
-    text = readme.read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} markers to put the table between.")
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    readme.write_text(f"{head}{TABLE_START}\n{crossover_table(reports)}\n{TABLE_END}{tail}")
+    write_between_markers(readme, TABLE_START, TABLE_END, crossover_table(reports))
 
 
 def main(argv=None) -> dict:

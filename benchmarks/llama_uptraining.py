@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the GPT-2 uptraining benchmark's run helpers
 
+from harness import write_between_markers  # noqa: E402
 from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, save_scratch_init, train  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -105,12 +106,7 @@ def results_table(report: dict) -> str:
 
 def update_readme(report: dict, readme: Path = README) -> None:
     """Replace the table between README.md's markers with the one rendered from `report`."""
-    text = readme.read_text()
-    if TABLE_START not in text or TABLE_END not in text:
-        raise ValueError(f"{readme} has no {TABLE_START} ... {TABLE_END} markers to put the table between.")
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    readme.write_text(f"{head}{TABLE_START}\n{results_table(report)}\n{TABLE_END}{tail}")
+    write_between_markers(readme, TABLE_START, TABLE_END, results_table(report))
 
 
 def save_llama_source_init(folder: Path, args, special_tokens: bool = False) -> None:

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--num_beams", type=int, default=None, help="translation (default: generation_config)")
     parser.add_argument("--length_penalty", type=float, default=None)
-    parser.add_argument("--output_file", default=None, help="also write the results as JSON here")
+    parser.add_argument("--output_file", default=None,
+                        help="also write the results as JSON here (a new file, or one this script wrote before)")
     harness = parser.add_argument_group("lm-evaluation-harness (pip install 'attnzoo[lm-eval]')")
     harness.add_argument("--lm_eval_tasks", default=None,
                          help="comma-separated lm-eval tasks, groups, tags or YAML files (e.g. attnzoo_pydoc); runs "
@@ -222,8 +223,27 @@ def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
             "lm_eval_raw": {k: raw[k] for k in ("results", "n-shot", "n-samples", "versions", "config") if k in raw}}
 
 
+def check_output_file(path: str | None) -> None:
+    """--output_file may name a new file or one this script wrote before (a JSON object with the model and task it
+    evaluated), which is replaced; anything else is refused before the model is loaded."""
+    if path is None or not Path(path).exists():
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"--output_file {target} is a folder; name a file for the results (e.g. "
+                         f"{target / 'eval_results.json'}).")
+    try:
+        earlier = json.loads(target.read_text())
+    except (ValueError, UnicodeDecodeError, OSError):
+        earlier = None
+    if not (isinstance(earlier, dict) and {"model", "task"} <= earlier.keys()):
+        raise ValueError(f"--output_file {target} already exists and is not a results file of this script; it is "
+                         "left as it is. Name another file (or move that one away).")
+
+
 def main(argv=None) -> dict:
     args, rest = build_parser().parse_known_args(argv)
+    check_output_file(args.output_file)
     if args.per_device_eval_batch_size < 1:
         raise ValueError(f"--per_device_eval_batch_size={args.per_device_eval_batch_size} must be positive.")
     if args.lm_eval_tasks is not None:

@@ -13,12 +13,14 @@ LM or a classifier; a new classification head is added. The output folder loads 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from accelerate import PartialState
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -26,10 +28,13 @@ from transformers import (
     DataCollatorWithPadding,
     HfArgumentParser,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
 import attnzoo  # noqa: F401  (registers the attnzoo_* model types)
+from attnzoo.training.data_checks import missing_file_reason
+from attnzoo.training.run_dir import check_output_dir, record_outputs, start_output_dir
 
 
 @dataclass
@@ -44,6 +49,37 @@ class ScriptArguments:
                                                                    "max_position_embeddings)"})
     pooling: str | None = field(default=None, metadata={"help": "mean, last or cls (default: last for a causal "
                                                                 "checkpoint, else the checkpoint's)"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "start over in --output_dir: delete the files an earlier run of this script wrote there (a folder "
+                "holding anything else is refused, never emptied)"})
+
+
+SCRIPT = "finetune_text_classification"
+
+
+def run_folder_arguments(args: ScriptArguments, training_args: TrainingArguments) -> argparse.Namespace:
+    """What the shared output-folder rule (attnzoo.training.run_dir) reads: the folder, resume or overwrite, and the
+    settings a resumed run must keep."""
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() == "true":  # the Trainer's own spelling of "the newest checkpoint"
+        resume = "latest"
+    return argparse.Namespace(output_dir=training_args.output_dir, overwrite_output_dir=args.overwrite_output_dir,
+                              resume_from_checkpoint=resume,
+                              model_name_or_path=args.model_name_or_path, train_file=args.train_file,
+                              seed=training_args.seed)
+
+
+def trainer_resume_point(resume_from_checkpoint: str | None):
+    """Trainer's `resume_from_checkpoint`: "latest" is its True, the newest checkpoint-N of the run."""
+    return True if resume_from_checkpoint == "latest" else resume_from_checkpoint
+
+
+class RecordOutputs(TrainerCallback):
+    """Adds each checkpoint-N the Trainer writes to the run record, so --overwrite_output_dir can delete it."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            record_outputs(args.output_dir)
 
 
 def load_table(args: ScriptArguments):
@@ -53,7 +89,7 @@ def load_table(args: ScriptArguments):
     files = {"train": args.train_file, **({"validation": args.validation_file} if args.validation_file else {})}
     for path in files.values():
         if not Path(path).is_file():
-            state = "is a folder" if Path(path).is_dir() else "does not exist"
+            state = missing_file_reason(path)
             raise ValueError(f"{path} {state}; pass a .csv or .json/.jsonl file.")
     suffixes = {Path(p).suffix.lower() for p in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in (".csv", ".json", ".jsonl"):
@@ -95,6 +131,8 @@ def accuracy(prediction) -> dict:
 
 def main(argv=None):
     args, training_args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses(argv)
+    folder_args = run_folder_arguments(args, training_args)
+    check_output_dir(folder_args, SCRIPT)  # before anything is loaded or written
     raw, names = load_table(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
@@ -109,11 +147,15 @@ def main(argv=None):
     encoded = encoded.rename_column(args.label_column, "labels")
     trainer = Trainer(model=model, args=training_args, train_dataset=encoded["train"],
                       eval_dataset=encoded["validation"], processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy)
-    trainer.train()
+                      data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy,
+                      callbacks=[RecordOutputs()])
+    start_output_dir(PartialState(), folder_args, SCRIPT, model.config.model_type, args.model_name_or_path)
+    trainer.train(resume_from_checkpoint=trainer_resume_point(folder_args.resume_from_checkpoint))
     metrics = trainer.evaluate()
     trainer.save_model()
     trainer.save_metrics("eval", metrics)
+    if trainer.is_world_process_zero():
+        record_outputs(training_args.output_dir)
     if trainer.is_world_process_zero():
         print(json.dumps(metrics))
     if training_args.push_to_hub:

@@ -53,6 +53,7 @@ from attnzoo.training.model_source import check_model_source, reading_model_sour
 from attnzoo.training.plots import plot_curves
 from attnzoo.training.publish import ARGS_FILE, RESULTS_FILE, write_json
 from attnzoo.training.recipes import parse_with_recipe
+from attnzoo.training.run_dir import record_outputs
 from attnzoo.training.text_data import (
     PASSKEY_FRACTION_HELP,
     TokenBlocks,
@@ -246,11 +247,13 @@ def main(argv=None):
 
     before = evaluate()  # the converted student's own parameters, also when resuming (the checkpoint loads later)
     run = prepare_run(accelerator, args, transfer, train_loader(train_set, args.per_device_train_batch_size,
-                                                                args.seed), "transfer_attention")
+                                                                args.seed), "transfer_attention",
+                      trained_model=student, started_from=args.student)
     model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
     step, max_steps = run.start_step, run.max_steps
     if accelerator.is_main_process:  # after prepare_run, which empties a folder that --overwrite_output_dir reuses
         write_json(output_dir / TRANSFER_ARGS_FILE, {name: getattr(args, name) for name in TRANSFER_FIXED})
+        record_outputs(output_dir, [TRANSFER_ARGS_FILE])
     skipped = [i for i in range(len(kinds)) if i not in transfer.layers]
     accelerator.print(f"transferring layers {list(transfer.layers)} ({transfer.num_trained_parameters:,} trained "
                       f"parameters); layers {skipped} have nothing of their own to learn. {len(train_set)} training "
@@ -303,6 +306,7 @@ def main(argv=None):
         write_json(output_dir / RESULTS_FILE, results)
         write_json(output_dir / ARGS_FILE, {k: v for k, v in vars(args).items() if k != "hub_token"})
         plot_curves(output_dir / METRICS_FILE, output_dir / "curves.png", title=str(output_dir))
+        record_outputs(output_dir)
     accelerator.print(f"held-out transfer loss (mean MSE over layers {list(transfer.layers)}): "
                       f"{results['transfer_loss_before']:.4g} -> {results['transfer_loss_after']:.4g}; model saved "
                       f"to {output_dir}. Next: fine-tune it with scripts/train_lm.py --model_name_or_path "

@@ -87,6 +87,25 @@ class FamilySuite:
             got = self.main_output(loaded(**inputs))
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
+    @pytest.mark.parametrize("head", ["ForCausalLM", "ForMaskedLM", "ForSequenceClassification",
+                                      "ForImageClassification"])
+    def test_a_heads_backbone_saves_and_loads_as_the_family_base_model(self, head, tmp_path):
+        """`model.base_model` is the family's own base model (as `LlamaForCausalLM.model` is a `LlamaModel`), so
+        extracting the backbone (for embeddings, or another head) saves a checkpoint `AutoModel` loads."""
+        from transformers import AutoModel
+
+        model = self.build(head).eval()
+        backbone = model.base_model
+        assert type(backbone) is self.model_class("Model")
+        inputs = self.inputs_for(head)
+        with torch.no_grad():
+            expected = backbone(**inputs).last_hidden_state
+        backbone.save_pretrained(tmp_path)
+        loaded = AutoModel.from_pretrained(tmp_path).eval()
+        assert type(loaded) is self.model_class("Model")
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**inputs).last_hidden_state, expected, rtol=0, atol=0)
+
     @pytest.mark.parametrize("head", list(AUTO))
     def test_auto_classes_load_saved_folder(self, head, tmp_path):
         model = self.build(head).eval()

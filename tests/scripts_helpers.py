@@ -73,6 +73,21 @@ def assert_identical_weights(a: dict, b: dict) -> None:
     assert not different, f"weights differ: {different[:5]} (max |diff| {max_weight_difference(a, b):.3g})"
 
 
+def copy_interrupted_run(full: Path, resumed: Path, step: int, *extra: str) -> None:
+    """`resumed` as `full`'s folder was when its run was killed right after the step-`step` checkpoint: that
+    checkpoint, the run's records (a checkpoint resumes only in the folder of the run that wrote it) and the `extra`
+    files or folders the run had written by then."""
+    import shutil
+
+    shutil.copytree(full / "checkpoints" / f"step_{step}", resumed / "checkpoints" / f"step_{step}")
+    for name in ("run_args.json", "transfer_args.json", "lora_args.json", *extra):
+        source = full / name
+        if source.is_dir():
+            shutil.copytree(source, resumed / name)
+        elif source.is_file():
+            shutil.copy2(source, resumed / name)
+
+
 def results(folder: str | Path) -> dict:
     return json.loads((Path(folder) / "all_results.json").read_text())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import math
 
 from transformers import PreTrainedConfig
@@ -20,10 +21,13 @@ from attnzoo.remote_code import auto_map, write_remote_code
 from attnzoo.transformers_compat import CACHE_NAMES
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
+logger = logging.getLogger(__name__)
+
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "rotary", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
+MODALITIES = ("text", "image")
 REVERSIBLE_MERGES = ("mean", "concat")
 HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "gelu_pytorch_tanh", "tanh")
 
@@ -99,7 +103,8 @@ class ZooConfig(PreTrainedConfig):
             up_proj(x))`, usually with `hidden_act="silu"`). `mlp_bias` switches the feed-forward's biases.
         classifier_dropout: dropout before a classification head (defaults to `hidden_dropout_prob`).
         attn_layers: attention kind per layer, names from `attnzoo.ATTENTION_REGISTRY`; a shorter list repeats to
-            `num_hidden_layers` (e.g. `["local", "lsh"]`).
+            `num_hidden_layers` (e.g. `["local", "lsh"]`), a longer one is refused (the family's default pattern is
+            fitted to a shallower stack).
         is_decoder: causal self-attention (a decoder-only LM). Encoder-decoder models set `is_encoder_decoder`.
         num_decoder_layers / decoder_attn_layers: the decoder of an encoder-decoder model (default: same depth,
             exact softmax self-attention; the RA/LARA paper, arXiv 2204.04667 §5.4, uses efficient attention only in
@@ -125,6 +130,8 @@ class ZooConfig(PreTrainedConfig):
         axial_pos_shape / axial_pos_embds_dim: the axial factorisation; the shape's product must cover
             `max_position_embeddings` and the dims must sum to `hidden_size` (derived when left `None`).
         image_size / patch_size / num_channels: image models (DeiT-style patch embedding).
+        modality: what the base model embeds: "text" (token ids) or "image" (pixel values, patch embeddings).
+            Image-classification heads set "image", so their backbone, saved alone, loads as an image encoder.
         pooling: how a classification head summarises a sequence: "mean" (over non-padded tokens), "cls" (a
             learned class token for images, the first token for text) or "last" (the last non-padded token).
         eval_seed: seed of the random draws attentions make in evaluation mode (LSH's hash rotations, RA's sampled
@@ -178,6 +185,7 @@ class ZooConfig(PreTrainedConfig):
     image_size: int = 224
     patch_size: int = 16
     num_channels: int = 3
+    modality: str = "text"
     pooling: str = "mean"
     eval_seed: int | None = 0
 
@@ -193,10 +201,10 @@ class ZooConfig(PreTrainedConfig):
         # the sizes the defaults below are derived from, checked first (a string would fail in the arithmetic)
         check_positive_ints(self, ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                    "max_position_embeddings"))
-        self.attn_layers = list(self.attn_layers)
-        self.decoder_attn_layers = list(self.decoder_attn_layers)
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_hidden_layers
+        self.attn_layers = self._fit_layout("attn_layers", "num_hidden_layers")
+        self.decoder_attn_layers = self._fit_layout("decoder_attn_layers", "num_decoder_layers")
         if hasattr(self, "num_random_features") and self.num_random_features is None:
             self.num_random_features = default_num_random_features(self.hidden_size // self.num_attention_heads)
         if self.position_embedding_type == "axial":
@@ -215,6 +223,41 @@ class ZooConfig(PreTrainedConfig):
             self.axial_pos_embds_dim = list(self.axial_pos_embds_dim)
         super().__post_init__(**kwargs)
         self.validate_architecture()
+
+    def _fit_layout(self, name: str, depth_name: str) -> list[str]:
+        """`attn_layers` (or `decoder_attn_layers`) as a list of at most one kind per layer. A list longer than the
+        stack is refused, naming both numbers, unless it is the class default, which is fitted to the depth
+        (`default_layout`); a shorter list repeats (`layer_attention_kinds`)."""
+        layers, depth = list(getattr(self, name)), getattr(self, depth_name)
+        if not isinstance(depth, int) or len(layers) <= depth:
+            return layers  # a depth that is not a positive integer fails in validate_architecture
+        if layers == list(self.__dataclass_fields__[name].default):
+            return self.default_layout(name, depth)
+        fail(name, layers, f"it lists {len(layers)} attention kinds for {depth} layers ({depth_name}={depth}); give "
+                           f"at most one kind per layer (a shorter list repeats to the depth), or set {depth_name} "
+                           f"to {len(layers)}.")
+
+    def default_layout(self, name: str, depth: int) -> list[str]:
+        """The class default of `name` for a stack of `depth` layers shallower than it: the pattern's first `depth`
+        kinds (families override this where that would lose the pattern's point)."""
+        return list(self.__dataclass_fields__[name].default)[:depth]
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' loading of a saved config. Configs saved before layouts were checked against the depth
+        may list more attention kinds than layers; the model was built from the first ones, which are kept, with
+        a warning, so the checkpoint loads as it was trained."""
+        config_dict = dict(config_dict)
+        depth = config_dict.get("num_hidden_layers")
+        decoder_depth = config_dict.get("num_decoder_layers") or depth
+        for name, layers_depth in (("attn_layers", depth), ("decoder_attn_layers", decoder_depth)):
+            layers = config_dict.get(name)
+            if isinstance(layers, list | tuple) and isinstance(layers_depth, int) and len(layers) > layers_depth > 0:
+                logger.warning("this config lists %d kinds in %s for %d layers; the model uses the first %d, %s "
+                               "(save it again to record that)", len(layers), name, layers_depth, layers_depth,
+                               list(layers[:layers_depth]))
+                config_dict[name] = list(layers[:layers_depth])
+        return super().from_dict(config_dict, **kwargs)
 
     def _settings_from_other_names(self, kwargs: dict) -> dict:
         """Keyword arguments that are not fields: transformers' own config keys pass on; another project's name for
@@ -285,6 +328,7 @@ class ZooConfig(PreTrainedConfig):
         if self.position_embedding_type == "axial":
             self._check_axial()
         check_choice(self, "pooling", POOLING_TYPES)
+        check_choice(self, "modality", MODALITIES)
         check_int(self, "eval_seed", 0, "set a non-negative integer, or None for random draws at evaluation too.",
                   optional=True)
         if self.image_size % self.patch_size:

@@ -22,7 +22,8 @@ class ZooHybridConfig(ZooReformerConfig, ZooPerformerConfig, ZooRAConfig, ZooLAR
     Args: every field of `ZooConfig`, `ZooReformerConfig`, `ZooPerformerConfig`, `ZooRAConfig` and
     `ZooLARAConfig`. `attn_layers` lists one attention kind per layer, for example
     `["favor", "favor", "favor", "full"]` (one softmax layer in four) or `["local", "favor"]`. The default is
-    three FAVOR+ layers then one exact softmax layer, repeated.
+    three FAVOR+ layers then one exact softmax layer, repeated; a stack of fewer than four layers keeps its last
+    layer softmax (`["favor", "full"]` for two, `["full"]` for one). A list longer than the stack is refused.
     """
 
     model_type = "attnzoo_hybrid"
@@ -37,3 +38,10 @@ class ZooHybridConfig(ZooReformerConfig, ZooPerformerConfig, ZooRAConfig, ZooLAR
     reversible: bool = False
     position_embedding_type: str = "learned"
     chunk_size_feed_forward: int = 0
+
+    def default_layout(self, name: str, depth: int) -> list[str]:
+        """Cutting "favor, favor, favor, full" to a shallower stack would drop its softmax layer: the last layer
+        stays exact instead."""
+        if name != "attn_layers":
+            return super().default_layout(name, depth)
+        return ["favor"] * (depth - 1) + ["full"]

@@ -184,9 +184,14 @@ def check_destination(dst: str | Path) -> Path:
     return dst
 
 
-def save_converted(model, dst: str | Path, companions=()) -> Path:
+def save_converted(model, dst: str | Path, companions=(), converter: str | None = None, src: str | None = None,
+                   family: str | None = None) -> Path:
     """`save_pretrained` of the model and its tokenizer / image processor into a temporary sibling folder, renamed
-    to `dst` at the end, so a failure leaves no half-written output."""
+    to `dst` at the end, so a failure leaves no half-written output. With `converter`, the folder also gets a run
+    record (`attnzoo.training.run_dir`) naming the converter, the source `src` and the target `family`, so a
+    training run pointed at the folder can say what it holds."""
+    from attnzoo.training.run_dir import write_model_record
+
     dst = check_destination(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
@@ -195,6 +200,8 @@ def save_converted(model, dst: str | Path, companions=()) -> Path:
         for companion in companions:
             if companion is not None:
                 companion.save_pretrained(staging)
+        if converter is not None:
+            write_model_record(staging, converter, model.config.model_type, src, family=family)
         if dst.exists():
             dst.rmdir()
         os.replace(staging, dst)
@@ -226,6 +233,23 @@ def load_text_tokenizer(src: str):
         return None
 
 
+def layer_layout(config) -> str:
+    """Which layers got which attention kind, e.g. "layers 0-2 favor, 3 full"."""
+    runs = []  # [first layer, last layer, kind]
+    for index, kind in enumerate(config.layer_attention_kinds()):
+        if runs and runs[-1][2] == kind:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, kind])
+    parts = [f"{first}{f'-{last}' if last > first else ''} {kind}" for first, last, kind in runs]
+    return ("layers " if len(config.layer_attention_kinds()) > 1 else "layer ") + ", ".join(parts)
+
+
+def converted_summary(model, dst, report: ConversionReport) -> str:
+    return (f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters; "
+            f"{layer_layout(model.config)}) to {dst}; {report.summary()}")
+
+
 def text_converter_main(module_doc: str, prog: str, src_help: str, load_source, convert, argv=None) -> None:
     """The command line of a text-model converter: `prog SRC DST --family F [--config ...] [--seed N]`. DST is checked
     and the source loaded and converted before anything is written; the tokenizer travels with the model."""
@@ -240,6 +264,6 @@ def text_converter_main(module_doc: str, prog: str, src_help: str, load_source, 
     source = load_source(args.src)
     report = ConversionReport()
     model = convert(source, args.family, overrides, args.seed, report)
-    save_converted(model, args.dst, [load_text_tokenizer(args.src)])
-    print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.dst}; "
-          f"{report.summary()}")
+    save_converted(model, args.dst, [load_text_tokenizer(args.src)], converter=prog.removeprefix("python -m "),
+                   src=args.src, family=args.family)
+    print(converted_summary(model, args.dst, report))

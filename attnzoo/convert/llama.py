@@ -32,8 +32,9 @@ activation the source's: those must match the source.
 Reformer conversions keep the family's layer pattern, alternating local and LSH attention; LSH layers share one
 query-key projection, which starts as the source's query projection (the key projection is dropped and reported),
 and their values keep the source's `num_key_value_heads` heads. `--config attn_layers=[lsh]` makes every layer LSH.
-`--family hybrid` mixes kinds per layer (default: favor, favor, favor, full repeated; `--config
-attn_layers=[local,full]` picks others).
+`--family hybrid` mixes kinds per layer (default: favor, favor, favor, full repeated; a source of fewer than four
+layers keeps its last layer softmax; `--config attn_layers=[local,full]` picks others; a list longer than the source's
+depth is refused). The converter prints which layers got which kind.
 
 Not converted (ValueError naming the setting, before anything is written): a sliding window (Mistral's
 `sliding_window`, Qwen2's `use_sliding_window=True`), other rope types (dynamic NTK, YaRN, LongRoPE, ...),

@@ -144,20 +144,24 @@ def convert_model(hf_model) -> ZooReformerForCausalLM:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="transformers ReformerModelWithLMHead checkpoint (folder or hub name)")
-    parser.add_argument("dst", help="output folder for the ZooReformerForCausalLM")
+    parser.add_argument("dst", help="output folder for the ZooReformerForCausalLM (must not exist or be empty)")
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer, ReformerModelWithLMHead
 
+    from attnzoo.convert.common import check_destination, save_converted
     from attnzoo.training.model_source import reading_model_source
 
+    check_destination(args.dst)  # before loading anything: a folder of someone else's files is never written into
     with reading_model_source(args.src, "SRC"):
         source = ReformerModelWithLMHead.from_pretrained(args.src, dtype="auto").eval()
     model = convert_model(source)
-    model.save_pretrained(args.dst)
     try:
-        AutoTokenizer.from_pretrained(args.src).save_pretrained(args.dst)
+        tokenizer = AutoTokenizer.from_pretrained(args.src)
     except (OSError, ValueError, ImportError) as error:  # no tokenizer next to the weights, or one we cannot load
         logger.warning("tokenizer not copied: %s", error)
+        tokenizer = None
+    save_converted(model, args.dst, [tokenizer], converter="attnzoo.convert.reformer_from_transformers",
+                   src=args.src, family="reformer")
     print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.dst}")
 
 

@@ -37,6 +37,7 @@ from attnzoo.convert.common import (
     attention_weights,
     build_config,
     check_destination,
+    converted_summary,
     init_attention_extras,
     load_converted,
     parse_overrides,
@@ -307,9 +308,9 @@ def main(argv=None) -> None:
     source = load_source(args.src, args.timm_model)
     report = ConversionReport()
     model = convert(source, args.family, overrides, args.seed, report)
-    save_converted(model, args.dst, [image_processor(source)])
-    print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) to {args.dst}; "
-          f"{report.summary()}")
+    save_converted(model, args.dst, [image_processor(source)], converter="attnzoo.convert.vit", src=args.src,
+                   family=args.family)
+    print(converted_summary(model, args.dst, report))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ attention kind."""
 
 from __future__ import annotations
 
+import json
+import struct
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -45,6 +50,41 @@ def as_output(output, return_dict, config):
     return output if return_dict else output.to_tuple()
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be read (None if its header parses and its tensors lie inside the file). Read
+    with the standard library only: this module travels as a checkpoint's remote code."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        start = file.read(8)
+        if len(start) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        (header_size,) = struct.unpack("<Q", start)
+        if 8 + header_size > size:
+            return f"its header says {header_size} bytes of metadata, but the file has {size} bytes in all"
+        try:
+            header = json.loads(file.read(header_size))
+        except ValueError as error:
+            return f"its metadata is not JSON ({error})"
+    ends = [entry["data_offsets"][1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry]
+    if ends and 8 + header_size + max(ends) > size:
+        return f"its tensors need {8 + header_size + max(ends)} bytes, but the file has {size}"
+    return None
+
+
+def damaged_weight_files(folder) -> list[str]:
+    """The damaged .safetensors files of a local model folder, each with what is wrong ([] for a Hub id)."""
+    folder = Path(str(folder))
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            found.append(f"{path.name} ({problem})")
+    return found
+
+
 class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
     config_class = ZooConfig
     base_model_prefix = "model"
@@ -81,6 +121,20 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
                                 **auto_map(type(self.config), classes)}
         return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loading; when it fails on a local folder whose weight files are damaged (cut short while
+        being written or copied), the error names the file instead of transformers' "incomplete metadata"."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except Exception as error:
+            damaged = damaged_weight_files(pretrained_model_name_or_path)
+            if not damaged:
+                raise
+            raise ValueError(f"{pretrained_model_name_or_path}: {'; '.join(damaged)}: the weights are damaged, "
+                             "probably cut short while being written or copied. Copy or save the model again."
+                             ) from error
+
     def new_decoding_cache(self, max_cache_len: int | None = None):
         """An empty cache for incremental decoding (generative heads override this)."""
         raise ValueError(f"{type(self).__name__} does not decode incrementally; use a ForCausalLM or "
@@ -88,22 +142,51 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
 
 
 class ZooModel(ZooPreTrainedModel):
-    """Token embeddings and the Transformer: a bidirectional encoder, or a causal decoder when `is_decoder`."""
+    """The base model every head builds on. Text (`config.modality="text"`): token embeddings and the Transformer,
+    a bidirectional encoder or, when `is_decoder`, a causal decoder. Images (`"image"`): the DeiT-style encoder,
+    patch embedding with 2-D positions (and a class token when pooling="cls"). A family's base model
+    (`Zoo<Family>Model`) is this class with the family's config, so a head's `base_model` saves and loads with
+    `AutoModel` like transformers' own (`LlamaForCausalLM.model` is a `LlamaModel`)."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.transformer = ZooTransformer(config, causal=config.is_decoder)
+        if config.modality == "image":
+            if config.pooling == "last":
+                raise ValueError("pooling='last' has no meaning for images; use 'mean' or 'cls'.")
+            if config.is_decoder:
+                raise ValueError("image models are encoders; set is_decoder=False.")
+            self.main_input_name = "pixel_values"
+            self.patch_embed = PatchEmbedding(config)
+            self.transformer = ZooTransformer(config, causal=False, with_positions=False)
+            self.transformer.set_image_layout((self.patch_embed.grid, self.patch_embed.grid),
+                                              class_token=self.patch_embed.cls_token is not None)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+            self.transformer = ZooTransformer(config, causal=config.is_decoder)
         self.post_init()
 
     def get_input_embeddings(self):
-        return self.embed_tokens
+        return self.patch_embed.projection if self.config.modality == "image" else self.embed_tokens
 
     def set_input_embeddings(self, value):
+        if self.config.modality == "image":
+            raise ValueError("an image model embeds patches, not token ids; it has no input embeddings to replace.")
         self.embed_tokens = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
-                cache=None, use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+                cache=None, use_cache=None, output_hidden_states=None, return_dict=None, pixel_values=None,
+                **kwargs):
+        if self.config.modality == "image":
+            given = [name for name, value in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds),
+                                              ("attention_mask", attention_mask)) if value is not None]
+            if given:
+                raise ValueError(f"{given}: this is an image model (config.modality='image'); pass pixel_values.")
+            hidden, all_hidden = self.transformer(self.patch_embed(pixel_values),
+                                                  output_hidden_states=output_hidden_states)
+            return as_output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict,
+                             self.config)
+        if pixel_values is not None:
+            raise ValueError("pixel_values: this is a text model (config.modality='text'); pass input_ids.")
         cache = take_cache(cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds.")
@@ -126,30 +209,11 @@ class ZooModel(ZooPreTrainedModel):
         return as_output(out, return_dict, self.config)
 
 
-class ZooVisionModel(ZooPreTrainedModel):
-    """DeiT-style image encoder: patch embedding with 2-D positions (and a class token when pooling="cls")."""
-
-    main_input_name = "pixel_values"
-
-    def __init__(self, config):
-        super().__init__(config)
-        if config.pooling == "last":
-            raise ValueError("pooling='last' has no meaning for images; use 'mean' or 'cls'.")
-        if config.is_decoder:
-            raise ValueError("image models are encoders; set is_decoder=False.")
-        self.patch_embed = PatchEmbedding(config)
-        self.transformer = ZooTransformer(config, causal=False, with_positions=False)
-        self.transformer.set_image_layout((self.patch_embed.grid, self.patch_embed.grid),
-                                          class_token=self.patch_embed.cls_token is not None)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.patch_embed.projection
-
-    def forward(self, pixel_values=None, output_hidden_states=None, return_dict=None, **kwargs):
-        tokens = self.patch_embed(pixel_values)
-        hidden, all_hidden = self.transformer(tokens, output_hidden_states=output_hidden_states)
-        return as_output(BaseModelOutput(last_hidden_state=hidden, hidden_states=all_hidden), return_dict, self.config)
+def family_base_model(head_class: type) -> type:
+    """The base model a head of `head_class`'s family builds on: the family's `Zoo<Family>Model` (named by the rule
+    `remote_code.family_model_classes` reads), or `ZooModel` for a head outside a family module."""
+    prefix = head_class.config_class.__name__.removesuffix("Config")
+    return getattr(sys.modules[head_class.__module__], prefix + "Model", ZooModel)
 
 
 class ZooSeq2SeqEncoder(nn.Module):

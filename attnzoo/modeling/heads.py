@@ -21,12 +21,11 @@ from transformers.modeling_outputs import (
 
 from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.base_models import (
-    ZooModel,
     ZooPreTrainedModel,
     ZooSeq2SeqEncoder,
-    ZooVisionModel,
     as_output,
     embed_token_ids,
+    family_base_model,
 )
 from attnzoo.modeling.cache import ZooCache, new_encoder_decoder_cache
 from attnzoo.modeling.loss import IGNORE_INDEX, causal_lm_loss, token_cross_entropy, upcast
@@ -78,7 +77,7 @@ class ZooForCausalLM(ZooPreTrainedModel, GenerationMixin):
     def __init__(self, config):
         config = _as_decoder(config)
         super().__init__(config)
-        self.model = ZooModel(config)
+        self.model = family_base_model(type(self))(config)
         self.lm_head = nn.Linear(config.stack_output_size, config.vocab_size, bias=config.lm_head_bias)
         self.post_init()
 
@@ -122,7 +121,7 @@ class ZooForMaskedLM(ZooPreTrainedModel):
         super().__init__(config)
         if config.is_decoder:
             raise ValueError("ZooForMaskedLM needs a bidirectional encoder; set is_decoder=False.")
-        self.model = ZooModel(config)
+        self.model = family_base_model(type(self))(config)
         self.lm_head = MaskedLMHead(config)
         self.post_init()
 
@@ -213,7 +212,7 @@ class ZooForSequenceClassification(ZooPreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = ZooModel(config)
+        self.model = family_base_model(type(self))(config)
         self.head = ClassifierHead(config)
         self.post_init()
 
@@ -237,8 +236,11 @@ class ZooForImageClassification(ZooPreTrainedModel):
     accepts_loss_kwargs = False
 
     def __init__(self, config):
+        if config.modality != "image":
+            config = copy.deepcopy(config)
+            config.modality = "image"
         super().__init__(config)
-        self.model = ZooVisionModel(config)
+        self.model = family_base_model(type(self))(config)
         self.head = ClassifierHead(config)
         self.post_init()
 

@@ -61,11 +61,13 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     g.add_argument("--checkpointing_steps", type=int, default=0, help="save the training state every N steps")
     g.add_argument("--checkpoints_total_limit", type=int, default=0, help="keep only the newest N (0: all)")
     g.add_argument("--resume_from_checkpoint", default=None,
-                   help="'latest' (start fresh if there is none) or an OUTPUT_DIR/checkpoints/step_N folder")
+                   help="'latest' (start fresh if the run has none yet) or an OUTPUT_DIR/checkpoints/step_N folder: "
+                        "resumes only this script's own run in --output_dir, with its settings")
     g.add_argument("--output_dir", default="runs/run")
     g.add_argument("--overwrite_output_dir", action="store_true",
-                   help="start a new run in an --output_dir that already holds files, deleting them first (without "
-                        "it such a folder is refused, unless --resume_from_checkpoint continues the run in it)")
+                   help="start over in an --output_dir that holds an earlier run: delete the files that run wrote "
+                        "(listed in its run_args.json) first. A folder that is not a run, or holds other files too, is "
+                        "refused and left as it is (docs/training.md, Output folders)")
     g.add_argument("--report_to", default="auto", choices=REPORT_TO_CHOICES,
                    help="auto: a metrics.jsonl, plus TensorBoard when installed")
 

@@ -25,6 +25,17 @@ class BadExample(NamedTuple):
     problem: str
 
 
+def missing_file_reason(path: str | Path) -> str:
+    """Why `path` is not a data file to read: it is a folder, it is not a regular file (a device such as /dev/null,
+    a pipe or a socket), or it does not exist."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder"
+    if path.exists():
+        return "is not a regular file (a device, pipe or socket)"
+    return "does not exist"
+
+
 def _summary(bad: list[BadExample]) -> str:
     shown = "; ".join(f"{b.location}: {b.problem}" for b in bad[:SHOWN])
     return shown + (f"; and {len(bad) - SHOWN} more" if len(bad) > SHOWN else "")

@@ -36,7 +36,7 @@ from attnzoo.training.checkpoints import (
 )
 from attnzoo.training.faults import TrainingGuard
 from attnzoo.training.recipes import parse_model_overrides
-from attnzoo.training.run_dir import check_output_dir, start_output_dir
+from attnzoo.training.run_dir import check_output_dir, record_outputs, start_output_dir
 from attnzoo.training.threads import set_cpu_threads
 from attnzoo.training.tracking import build_trackers
 
@@ -48,7 +48,7 @@ VISION_NO_DECAY = ("position", "cls_token")  # DeiT/timm: norms, biases, positio
 
 def build_accelerator(args: argparse.Namespace, run_name: str) -> Accelerator:
     output_dir = Path(args.output_dir)
-    check_output_dir(args)  # before anything is written
+    check_output_dir(args, run_name)  # before anything is written
     trackers = build_trackers(args.report_to, output_dir, run_name)
     accelerator = Accelerator(
         # Without an accelerator device, `cpu=True` is what makes `accelerate launch --multi_gpu` processes join one
@@ -345,6 +345,7 @@ def save_final_model(accelerator: Accelerator, model, output_dir: str | Path, to
                 shutil.rmtree(target)
             os.replace(path, target)
         partial.rmdir()
+        record_outputs(output_dir)
     accelerator.wait_for_everyone()
     return unwrapped
 
@@ -364,11 +365,16 @@ class PreparedRun:
 
 
 def prepare_run(accelerator: Accelerator, args, model, loader: DataLoader, run_name: str,
-                optimizer: torch.optim.Optimizer | None = None) -> PreparedRun:
+                optimizer: torch.optim.Optimizer | None = None, trained_model=None,
+                started_from: str | None = None) -> PreparedRun:
     """The set-up every script shares between building its model and data and its loop: optimizer (AdamW unless
     given), `accelerator.prepare`, the run's length (--max_train_steps, or epochs over the sharded loader; a
     --num_warmup_epochs becomes warm-up steps here), the schedule, the fault guard (stop signals, non-finite steps,
-    failed saves), resuming, and the trackers."""
+    failed saves), resuming, and the trackers. The run record (`run_dir`) names the script `run_name`, the family of
+    `trained_model` (default: `model`) and the model it `started_from` (default: --model_name_or_path)."""
+    trained_model = model if trained_model is None else trained_model
+    model_type = getattr(getattr(trained_model, "config", None), "model_type", None)
+    started_from = started_from if started_from is not None else getattr(args, "model_name_or_path", None)
     optimizer = optimizer or build_optimizer(model, args)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     max_steps = total_train_steps(args, len(loader))
@@ -376,9 +382,12 @@ def prepare_run(accelerator: Accelerator, args, model, loader: DataLoader, run_n
         per_epoch = optimizer_steps_per_epoch(len(loader), args.gradient_accumulation_steps)
         args.num_warmup_steps = min(max_steps - 1, round(args.num_warmup_epochs * per_epoch))
     scheduler = accelerator.prepare(build_scheduler(optimizer, args, max_steps, accelerator.num_processes))
-    start_output_dir(accelerator, args)  # everything checked and built: the run now takes the folder
+    # everything checked and built: the run now takes the folder
+    start_output_dir(accelerator, args, run_name, model_type, started_from)
     guard = TrainingGuard(accelerator, args, Path(args.output_dir))
     start_step = resume_if_asked(accelerator, args, guard)
     accelerator.init_trackers(run_name, {k: str(v) for k, v in vars(args).items() if k != "hub_token"})
+    if accelerator.is_main_process:  # the trackers' files
+        record_outputs(args.output_dir)
     return PreparedRun(model, optimizer, loader, scheduler, guard, start_step, max_steps,
                        sum(p.numel() for p in model.parameters()))

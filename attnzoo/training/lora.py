@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from attnzoo.training.checkpoints import list_checkpoints
-from attnzoo.training.run_dir import RUN_ARGS_FILE
+from attnzoo.training.run_dir import RUN_ARGS_FILE, record_outputs
 
 PEFT_INSTALL = "pip install 'attnzoo[peft]'"
 #: the settings a resumed LoRA run must share with the run it continues (kept beside run_dir's RUN_ARGS_FILE)
@@ -163,4 +163,5 @@ def record_lora_settings(accelerator, args) -> None:
     if accelerator.is_main_process and lora_enabled(args):
         path = Path(args.output_dir) / LORA_ARGS_FILE
         path.write_text(json.dumps({name: getattr(args, name) for name in LORA_SETTINGS}, indent=2))
+        record_outputs(args.output_dir, [LORA_ARGS_FILE])
     accelerator.wait_for_everyone()

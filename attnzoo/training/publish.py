@@ -8,6 +8,7 @@ from pathlib import Path
 
 from attnzoo.training.hub import push_folder, resolve_repo_id
 from attnzoo.training.plots import plot_curves
+from attnzoo.training.run_dir import record_outputs
 from attnzoo.training.tracking import METRICS_FILE
 
 RESULTS_FILE = "all_results.json"
@@ -28,6 +29,7 @@ def publish_run(accelerator, args, results: dict, build_card: Callable, title: s
         write_json(output_dir / ARGS_FILE, {k: v for k, v in vars(args).items() if k != "hub_token"})
         plot_curves(output_dir / METRICS_FILE, output_dir / "curves.png", title=title)
         build_card().save(output_dir / "README.md")
+        record_outputs(output_dir)
         if args.push_to_hub:
             url = push_folder(output_dir, resolve_repo_id(args), token=args.hub_token,
                               private=args.hub_private_repo)

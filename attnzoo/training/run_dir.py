@@ -1,6 +1,13 @@
-"""The run's output folder: one run per folder. A new run refuses a folder that already holds files unless the user
-resumes the run in it or asks to start over (transformers' `overwrite_output_dir` convention), and a resumed run must
-have the settings that define its model and data: both are checked before anything is written.
+"""The run's output folder: one run per folder, and no run writes into a folder it did not make.
+
+A run writes only into a folder that is missing, empty, or holds a run of the same script (resumed, with the
+settings that define its model and data). Everything else is refused before anything is written, with a message that
+says what the folder holds and the safe choices. The rule is written out in docs/training.md ("Output folders").
+
+Each run records itself in `run_args.json`: the script, the family and the model it started from, the settings a
+resume must keep, and the top-level files and folders it wrote (`outputs`). `--overwrite_output_dir` deletes only
+those, and refuses a folder that holds anything else; a folder without a record is never emptied. The converters
+leave the same record beside the model they write, so a later run can say where that model came from.
 """
 
 from __future__ import annotations
@@ -14,53 +21,227 @@ RUN_ARGS_FILE = "run_args.json"
 #: through); the rest (steps, logging, checkpointing, limits) may change on resume
 RESUME_FIXED = ("family", "model", "model_name_or_path", "corpus", "dataset_name", "dataset_config_name",
                 "train_file", "block_size", "image_size", "source_lang", "target_lang", "seed")
+#: names every training run may write, recorded when the run starts so that a run killed before its first record
+#: update still owns them (the tracker's metrics, the checkpoints, the final model's staging folder)
+TRAINING_RUN_NAMES = (RUN_ARGS_FILE, "checkpoints", "metrics.jsonl", "hparams.json", ".final_model.partial")
+#: what a model folder holds (a converted model, a `save_pretrained` folder, a run's final model)
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+#: files of runs from before the record listed its outputs (read when such a run is overwritten)
+LEGACY_RUN_FILES = ("all_results.json", "training_args.json", "curves.png", "README.md", "generation_config.json",
+                    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "transfer_args.json",
+                    "lora_args.json", "eval_results.json", "train_results.json", "trainer_state.json")
 
 
-def check_output_dir(args) -> None:
-    """Before a run writes anything: refuse a folder holding another run unless resuming or overwriting, and refuse
-    resuming with settings that differ from the run being resumed."""
+def script_label(script: str) -> str:
+    """How messages name a script: `train_lm.py`, or a converter's module (`attnzoo.convert.llama`)."""
+    return script if "." in script else f"{script}.py"
+
+
+def read_run_record(folder: str | Path) -> dict | None:
+    """The folder's run record, or None when it has none (or one that is not a JSON object)."""
+    path = Path(folder) / RUN_ARGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (ValueError, OSError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def recorded_script(folder: Path, record: dict) -> str | None:
+    """The script that wrote the record. Records from before they named it: a transfer run kept its own settings
+    file beside it; any other one was a training script's, which the settings themselves must then identify."""
+    if "script" in record:
+        return record["script"]
+    if (folder / "transfer_args.json").is_file():
+        return "transfer_attention"
+    return None
+
+
+def folder_contents(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def _listed(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def describe_folder(folder: Path) -> str:
+    """What a non-empty folder holds, in the words the refusals use."""
+    contents = folder_contents(folder)
+    record = read_run_record(folder)
+    if record is not None:
+        script = recorded_script(folder, record)
+        origin = record.get("started_from") or record.get("model_name_or_path") or record.get("student")
+        family = (record.get("model_type") or record.get("family") or "").removeprefix("attnzoo_")
+        details = ", ".join(part for part in (f"family {family}" if family else "",
+                                               f"started from {origin}" if origin else "a new model") if part)
+        writer = f"a run of {script_label(script)}" if script else "a run"
+        return f"{writer}{f' ({details})' if details else ''}"
+    if any(name in contents for name in MODEL_FILES):
+        return (f"a model that no attnzoo run recorded ({_listed(contents)}): a converted or `save_pretrained` "
+                "model, or a run from before runs were recorded")
+    return f"files that are not a run ({_listed(contents)})"
+
+
+def check_output_dir(args, script: str) -> None:
+    """Before a run of `script` writes anything: the folder is missing or empty; or it holds this script's run, which
+    `--resume_from_checkpoint` continues with the same settings from a checkpoint of its own; or
+    `--overwrite_output_dir` asks to delete a run that holds nothing but its own outputs. Anything else raises a
+    ValueError that says what the folder holds and the safe choices."""
     folder = Path(args.output_dir)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output_dir {folder} is a file; name a folder for the run.")
-    contents = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    if getattr(args, "resume_from_checkpoint", None):
-        _check_resumed_settings(folder, args)
+    contents = folder_contents(folder)
+    resuming = bool(getattr(args, "resume_from_checkpoint", None))
+    overwriting = bool(getattr(args, "overwrite_output_dir", False))
+    if resuming and overwriting:
+        raise ValueError("--resume_from_checkpoint continues the run in --output_dir and --overwrite_output_dir "
+                         "deletes it; pass one of them.")
+    if resuming:
+        _check_resumable(folder, contents, args, script)
+    elif contents and overwriting:
+        _check_overwritable(folder, contents)
+    elif contents:
+        holds = describe_folder(folder)
+        if read_run_record(folder) is not None and recorded_script(folder, read_run_record(folder)) == script:
+            choices = ("resume that run with --resume_from_checkpoint latest, start over with "
+                       "--overwrite_output_dir (deletes that run's files and nothing else), or pick another "
+                       "--output_dir")
+        else:
+            choices = _elsewhere_choices(folder)
+        raise ValueError(f"--output_dir {folder} already holds files: {holds}. A new run there would overwrite and "
+                         f"mix with them; {choices}.")
+
+
+def _elsewhere_choices(folder: Path) -> str:
+    has_model = any((folder / name).is_file() for name in MODEL_FILES)
+    start_from = (f"; to train the model it holds, keep it and write the run elsewhere: --model_name_or_path "
+                  f"{folder} --output_dir {folder.name}-trained" if has_model else "")
+    return f"pick another --output_dir{start_from}"
+
+
+def _check_resumable(folder: Path, contents: list[str], args, script: str) -> None:
+    explicit = args.resume_from_checkpoint != "latest"
+    if explicit:  # a step_N (or the Trainer's checkpoint-N) folder: it must be one of this folder's own checkpoints
+        checkpoint = Path(args.resume_from_checkpoint)
+        inside = checkpoint.resolve().parent in ((folder / "checkpoints").resolve(), folder.resolve())
+        if not inside:
+            raise ValueError(f"--resume_from_checkpoint {checkpoint} is not a checkpoint of the run in "
+                             f"--output_dir {folder}: a checkpoint continues only the run that wrote it, in its own "
+                             f"folder ({folder / 'checkpoints' / 'step_N'}). To train from that run's model, pass "
+                             "its final folder as --model_name_or_path with a new --output_dir.")
+    if not contents:  # nothing there yet: a restarted job may always pass `latest`; it starts fresh
         return
-    if contents and not getattr(args, "overwrite_output_dir", False):
-        shown = ", ".join(contents[:5]) + (", ..." if len(contents) > 5 else "")
-        raise ValueError(f"--output_dir {folder} already holds files ({shown}); a new run there would overwrite and "
-                         "mix with them. Resume that run with --resume_from_checkpoint latest, start over with "
-                         "--overwrite_output_dir (the folder's contents are deleted first), or pick another "
-                         "--output_dir.")
-
-
-def start_output_dir(accelerator, args) -> None:
-    """After the checks, on the main process: empty the folder when --overwrite_output_dir asks for it, and record
-    the run's settings for a later resume. Every process waits for it."""
-    folder = Path(args.output_dir)
-    if accelerator.is_main_process:
-        resuming = bool(getattr(args, "resume_from_checkpoint", None))
-        if getattr(args, "overwrite_output_dir", False) and not resuming and folder.is_dir():
-            for path in folder.iterdir():
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        if not resuming or not (folder / RUN_ARGS_FILE).exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            values = {name: getattr(args, name) for name in RESUME_FIXED if hasattr(args, name)}
-            (folder / RUN_ARGS_FILE).write_text(json.dumps(values, indent=2, default=str))
-    accelerator.wait_for_everyone()
-
-
-def _check_resumed_settings(folder: Path, args) -> None:
-    saved_file = folder / RUN_ARGS_FILE
-    if not saved_file.exists():  # a run from before run_args.json existed, or nothing to resume yet
-        return
-    saved = json.loads(saved_file.read_text())
-    current = json.loads(json.dumps({name: getattr(args, name) for name in RESUME_FIXED if hasattr(args, name)},
-                                    default=str))
-    changed = [name for name in saved if name in current and saved[name] != current[name]]
+    record = read_run_record(folder)
+    recorded = recorded_script(folder, record) if record is not None else None
+    if record is None or (recorded is not None and recorded != script):
+        raise ValueError(f"--resume_from_checkpoint: --output_dir {folder} holds {describe_folder(folder)}, not a "
+                         f"run of {script_label(script)} to resume. Nothing was written; "
+                         f"{_elsewhere_choices(folder)}.")
+    current = _resume_settings(args)
+    if recorded is None:  # an older record: its settings must be this script's own
+        missing = [name for name in current if name not in record]
+        if missing:
+            raise ValueError(f"--resume_from_checkpoint: --output_dir {folder} holds {describe_folder(folder)} whose "
+                             f"record has no {missing} settings, so it is not a run of {script_label(script)}. "
+                             f"Nothing was written; {_elsewhere_choices(folder)}.")
+    changed = [name for name in record if name in current and record[name] != current[name]]
     if changed:
-        details = "; ".join(f"--{name} {current[name]!r} (the run in {folder} used {saved[name]!r})"
+        details = "; ".join(f"--{name} {current[name]!r} (the run in {folder} used {record[name]!r})"
                             for name in changed)
         raise ValueError(f"cannot resume with different settings: {details}. A checkpoint continues only the run "
                          "it was saved from: resume with the run's own settings, or start a new run with another "
                          "--output_dir.")
+    has_checkpoint = any(p.is_dir() for p in [*(folder / "checkpoints").glob("step_*"), *folder.glob("checkpoint-*")])
+    has_model = any((folder / name).is_file() for name in MODEL_FILES)
+    if not explicit and not has_checkpoint and has_model:
+        raise ValueError(f"--resume_from_checkpoint latest: the run in --output_dir {folder} finished and left no "
+                         "checkpoint to resume (it saved only its final model), so resuming would train from scratch "
+                         f"over that model. Nothing was written; to train that model further, pass "
+                         f"--model_name_or_path {folder} --output_dir {folder.name}-continued.")
+
+
+def _check_overwritable(folder: Path, contents: list[str]) -> None:
+    record = read_run_record(folder)
+    if record is None:
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)}, not a run "
+                         "(it has no run_args.json), so it is not emptied. Pick another --output_dir.")
+    others = [name for name in contents if name not in run_outputs(record)]
+    if others:
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)} and also "
+                         f"files that run did not write ({_listed(others)}); nothing was deleted. Move those files "
+                         "away, or pick another --output_dir.")
+
+
+def run_outputs(record: dict) -> set[str]:
+    """The top-level names a recorded run wrote (with, for runs from before the record listed them, the names such
+    runs wrote: their final model's files and the remote code beside it)."""
+    if "outputs" in record:
+        return set(record["outputs"])
+    return {*TRAINING_RUN_NAMES, *MODEL_FILES, *LEGACY_RUN_FILES}
+
+
+def _resume_settings(args) -> dict:
+    return json.loads(json.dumps({name: getattr(args, name) for name in RESUME_FIXED if hasattr(args, name)},
+                                 default=str))
+
+
+def _legacy_outputs(folder: Path, record: dict) -> list[str]:
+    """For a run recorded before `outputs` existed: its files that match what such runs wrote (code files too)."""
+    owned = run_outputs(record)
+    return [name for name in folder_contents(folder) if name in owned or name.endswith(".py")]
+
+
+def start_output_dir(accelerator, args, script: str, model_type: str | None = None,
+                     started_from: str | None = None) -> None:
+    """After the checks, on the main process: delete the earlier run's outputs when --overwrite_output_dir asks for
+    it, and record this run (the script, the family `model_type`, the model it `started_from`, the settings a resume
+    must keep, the names it writes). A resumed run keeps its record. Every process waits for it."""
+    folder = Path(args.output_dir)
+    if accelerator.is_main_process:
+        resuming = bool(getattr(args, "resume_from_checkpoint", None))
+        record = read_run_record(folder)
+        if getattr(args, "overwrite_output_dir", False) and not resuming and record is not None:
+            owned = run_outputs(record) | (set(_legacy_outputs(folder, record)) if "outputs" not in record else set())
+            for name in folder_contents(folder):
+                if name in owned:
+                    path = folder / name
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            record = None
+        if record is None or not resuming:
+            record = {"script": script, "model_type": model_type, "started_from": started_from,
+                      **_resume_settings(args), "outputs": sorted(TRAINING_RUN_NAMES)}
+        elif "outputs" not in record:  # an older run, resumed: from now on it lists what it wrote
+            record = {**record, "script": script, "outputs": sorted({*TRAINING_RUN_NAMES,
+                                                                      *_legacy_outputs(folder, record)})}
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_record(folder, record)
+    accelerator.wait_for_everyone()
+
+
+def record_outputs(folder: str | Path, names=None) -> None:
+    """Add `names` (default: every top-level name now in `folder`) to the outputs of the folder's run record. Called
+    on the main process after a run writes something: the tracker's files, the final model, the results."""
+    folder = Path(folder)
+    record = read_run_record(folder)
+    if record is None:
+        return
+    names = folder_contents(folder) if names is None else list(names)
+    outputs = sorted(set(record.get("outputs", ())) | set(names))
+    if outputs != record.get("outputs"):
+        _write_record(folder, {**record, "outputs": outputs})
+
+
+def write_model_record(folder: str | Path, script: str, model_type: str, started_from: str, **settings) -> None:
+    """The record a converter leaves beside the model it wrote (every file in the folder is its output)."""
+    folder = Path(folder)
+    _write_record(folder, {"script": script, "model_type": model_type, "started_from": started_from, **settings,
+                           "outputs": sorted({*folder_contents(folder), RUN_ARGS_FILE})})
+
+
+def _write_record(folder: Path, record: dict) -> None:
+    partial = folder / (RUN_ARGS_FILE + ".partial")
+    partial.write_text(json.dumps(record, indent=2, default=str))
+    partial.replace(folder / RUN_ARGS_FILE)

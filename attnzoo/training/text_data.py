@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from attnzoo.training.data_checks import checked_json_files, read_utf8_text, utf8_text_files
+from attnzoo.training.data_checks import checked_json_files, missing_file_reason, read_utf8_text, utf8_text_files
 
 PASSKEY_FRACTION_HELP = ("this fraction of the training sequences are passkey retrieval sequences (a key hidden in "
                          "filler text, then asked for; attnzoo.evaluation.passkey), generated from --seed: data "
@@ -39,7 +39,7 @@ def read_bytes(path: str | Path | None, skip_bad: bool = False) -> torch.Tensor:
         return _as_byte_tensor(default_corpus_text().encode("utf-8"))
     path = Path(path)
     if not path.is_file():
-        state = "is a folder" if path.is_dir() else "does not exist"
+        state = missing_file_reason(path)
         raise ValueError(f"--train_file {path} {state}; pass a text file (or omit it for the default corpus).")
     data = _as_byte_tensor(read_utf8_text(path, skip_bad).encode("utf-8"))
     if data.numel() < 1024:
@@ -209,7 +209,7 @@ def load_text_splits(args, tokenizer, byte_level: bool) -> tuple[torch.Tensor, t
     if is_raw_text:
         for flag, path in (("--train_file", train_file), ("--validation_file", validation_file)):
             if path is not None and not Path(path).is_file():
-                state = "is a folder" if Path(path).is_dir() else "does not exist"
+                state = missing_file_reason(path)
                 raise ValueError(f"{flag} {path} {state}; pass a text file (or omit --train_file for the default "
                                  "corpus).")
         train = encode_file(train_file)

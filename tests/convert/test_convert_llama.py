@@ -305,7 +305,8 @@ def test_every_family_converts_saves_reloads_and_decodes(family, saved_source, t
     assert config.model_type == f"attnzoo_{family}"
     assert not config.reversible and config.position_embedding_type == "rotary" and config.hidden_act == "silu"
     assert config.norm_type == "rmsnorm" and config.mlp_type == "gated" and config.num_key_value_heads == KV_HEADS
-    expected_layers = {"reformer": ["local", "lsh"], "hybrid": ["favor", "favor", "favor", "full"]}
+    # the hybrid's default (favor, favor, favor, full) fitted to the source's 2 layers, as the model is built
+    expected_layers = {"reformer": ["local", "lsh"], "hybrid": ["favor", "full"]}
     assert config.attn_layers == expected_layers.get(family, config.attn_layers)
     assert model.generation_config.max_new_tokens == 7 and model.generation_config.eos_token_id == 258
     source = LlamaForCausalLM.from_pretrained(saved_source)
@@ -352,6 +353,26 @@ def test_hybrid_takes_any_attention_kinds_per_layer(monkeypatch):
     ids = token_ids(length=60)  # within local attention's window (its chunk and the one before): exact attention
     with torch.no_grad():
         assert max_difference(model(ids).logits, source(ids).logits) < 1e-10
+
+
+def test_the_hybrid_default_layout_fits_the_source_depth_and_is_printed(saved_source, tmp_path, capsys):
+    """A 2-layer Llama converted with --family hybrid used to build two FAVOR+ layers while config.json said
+    [favor, favor, favor, full]."""
+    llama.main([str(saved_source), str(tmp_path / "hybrid"), "--family", "hybrid", "--config", "num_random_features=8"])
+    assert "layers 0 favor, 1 full" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid")
+    assert model.config.attn_layers == ["favor", "full"]
+    assert json.loads((tmp_path / "hybrid" / "config.json").read_text())["attn_layers"] == ["favor", "full"]
+    assert [type(block.attn).__name__ for block in model.model.transformer.blocks] == [
+        "FavorAttention", "SoftmaxAttention"]
+
+
+def test_a_layout_longer_than_the_source_is_refused_before_writing(saved_source, tmp_path):
+    with pytest.raises(ValueError, match=r"attn_layers=\['favor', 'full', 'lara'\] is invalid: it lists 3 attention "
+                                         r"kinds for 2 layers \(num_hidden_layers=2\)"):
+        llama.main([str(saved_source), str(tmp_path / "out"), "--family", "hybrid", "--config",
+                    "attn_layers=[favor,full,lara]"])
+    assert not (tmp_path / "out").exists()
 
 
 # -- what the report says -------------------------------------------------------------------------------------

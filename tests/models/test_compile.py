@@ -15,6 +15,7 @@ import attnzoo  # noqa: F401  (registers the Auto classes)
 from tests.scripts_helpers import (
     FAMILIES,
     QUIET,
+    copy_interrupted_run,
     english_text,
     max_weight_difference,
     results,
@@ -95,10 +96,8 @@ def test_torch_compile_training_run_saves_plain_weights_and_resumes(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
     assert set(loaded.state_dict()) >= set(saved)
 
-    import shutil
-
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    copy_interrupted_run(tmp_path / "full", resumed, 4)
     run_script("train_lm", train(resumed, "--resume_from_checkpoint", "latest"))
     # The resumed process compiles its own kernels; the weights agree to float rounding, not always bit for bit.
     assert max_weight_difference(saved, weights(resumed)) < 1e-6

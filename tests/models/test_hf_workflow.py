@@ -99,6 +99,43 @@ print(json.dumps({{"worst": worst, "vocab": len(tokenizer), "text": text}}))
     assert result["vocab"] == BYTE_LEVEL_VOCAB_SIZE and result["text"].startswith("The ")
 
 
+def test_a_heads_backbone_saved_alone_loads_without_attnzoo(tmp_path):
+    """Every family: the backbone of a causal LM and of an image classifier, saved on its own, loads through its
+    remote code where attnzoo is not installed, with the same hidden states."""
+    expected = {}
+    for family, suite in SUITES.items():
+        for head in ("ForCausalLM", "ForImageClassification"):
+            backbone = suite.build(head).eval().base_model
+            inputs = suite.inputs_for(head)
+            folder = tmp_path / f"{family}-{head}"
+            backbone.save_pretrained(folder)
+            torch.save(inputs, folder / "inputs.pt")
+            with torch.no_grad():
+                expected[str(folder)] = backbone(**inputs).last_hidden_state
+    torch.save(expected, tmp_path / "expected.pt")
+    script = f"""
+import json, sys
+sys.modules["attnzoo"] = None  # as if attnzoo were not installed
+import torch, transformers
+torch.set_num_threads({torch.get_num_threads()})
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+worst, classes = 0.0, set()
+for folder, hidden in expected.items():
+    model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    assert "attnzoo" not in type(model).__module__, type(model).__module__
+    classes.add(type(model).__name__)
+    with torch.no_grad():
+        got = model(**torch.load(folder + "/inputs.pt")).last_hidden_state
+    worst = max(worst, (got - hidden).abs().max().item())
+print(json.dumps({{"worst": worst, "classes": sorted(classes)}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["worst"] == 0.0
+    assert result["classes"] == sorted(suite.prefix + "Model" for suite in SUITES.values())
+
+
 def test_loading_without_trust_remote_code_says_how(tmp_path):
     tiny_lm("softmax").save_pretrained(tmp_path)
     script = ("import sys; sys.modules['attnzoo'] = None\n"

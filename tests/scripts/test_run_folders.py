@@ -30,7 +30,8 @@ def test_a_second_run_into_a_used_folder_is_refused_and_loses_nothing(tmp_path, 
     out = tmp_path / "run"
     train(out, corpus)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(ValueError, match=r"--output_dir .*run already holds files .*--resume_from_checkpoint latest"
+    with pytest.raises(ValueError, match=r"--output_dir .*run already holds files: a run of train_lm.py \(family "
+                                         r"softmax, a new model\).*--resume_from_checkpoint latest"
                                          r".*--overwrite_output_dir.*another --output_dir"):
         train(out, corpus, "performer")
     after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -1,7 +1,6 @@
 """scripts/train_image_classification.py end to end on a small rendered-digit image folder: the DeiT recipe through
 timm (RandAugment, Mixup/CutMix, random erasing, label smoothing, drop path), top-1, evaluate.py, exact resume."""
 
-import shutil
 
 import pytest
 from transformers import AutoImageProcessor, AutoModelForImageClassification
@@ -10,6 +9,7 @@ from tests.scripts_helpers import (
     FAMILIES,
     QUIET,
     assert_identical_weights,
+    copy_interrupted_run,
     results,
     run_script,
     tiny_model,
@@ -61,7 +61,7 @@ def test_resume_with_random_augmentation_gives_identical_weights(tmp_path, image
     args = ["--max_train_steps", "8", "--checkpointing_steps", "3"]  # 60 images / 8: crosses an epoch end
     run_script("train_image_classification", [*image_args(images, tmp_path / "full", "performer"), *args])
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    copy_interrupted_run(tmp_path / "full", resumed, 3)
     run_script("train_image_classification", [*image_args(images, resumed, "performer"), *args,
                                               "--resume_from_checkpoint", "latest"])
     assert_identical_weights(weights(tmp_path / "full"), weights(resumed))

@@ -24,6 +24,7 @@ from tests.scripts_helpers import (
     TINY,
     accelerate_command,
     assert_identical_weights,
+    copy_interrupted_run,
     english_text,
     launch,
     load_script,
@@ -188,10 +189,8 @@ def test_resume_from_a_checkpoint_gives_identical_weights(tmp_path, family, extr
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(english_text()[:1350])
     run_script("train_lm", _resume_args(corpus, family, tmp_path / "full", *extra))
-    import shutil
-
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
+    copy_interrupted_run(tmp_path / "full", resumed, 4)
     run_script("train_lm", [*_resume_args(corpus, family, resumed, *extra), "--resume_from_checkpoint", "latest"])
     assert_identical_weights(weights(tmp_path / "full"), weights(resumed))
     assert results(resumed)["eval_bits_per_dim"] == results(tmp_path / "full")["eval_bits_per_dim"]

@@ -2,7 +2,6 @@
 family, beam search, checkpoint averaging, BLEU with signatures in the results and the model card, evaluate.py,
 exact resume."""
 
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from tests.scripts_helpers import (
     FAMILIES,
     QUIET,
     assert_identical_weights,
+    copy_interrupted_run,
     results,
     run_script,
     tiny_model,
@@ -85,8 +85,7 @@ def test_resume_gives_identical_weights(tmp_path, corpus):
             "intermediate_size=64", "hidden_dropout_prob=0.1"]
     run_script("train_translation", translation_args(corpus, tmp_path / "full", "softmax", *args))
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
-    shutil.copytree(tmp_path / "full" / "tokenizer", resumed / "tokenizer")  # the BPE of the interrupted run
+    copy_interrupted_run(tmp_path / "full", resumed, 4, "tokenizer")  # with the BPE of the interrupted run
     run_script("train_translation", [*translation_args(corpus, resumed, "softmax", *args),
                                      "--resume_from_checkpoint", "latest"])
     assert_identical_weights(weights(tmp_path / "full"), weights(resumed))

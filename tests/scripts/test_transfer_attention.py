@@ -34,6 +34,7 @@ from tests.scripts_helpers import (
     ROOT,
     SCRIPTS,
     assert_identical_weights,
+    copy_interrupted_run,
     english_text,
     launch,
     max_weight_difference,
@@ -308,7 +309,7 @@ def test_script_resumes_to_identical_weights(tmp_path, models, corpus):
     checkpoint = full / "checkpoints" / "step_4"
     assert len(weights(checkpoint)) == 2 * 8  # per layer: the two landmark transforms' Linear and LayerNorm
     resumed = tmp_path / "resumed"
-    shutil.copytree(checkpoint, resumed / "checkpoints" / "step_4")
+    copy_interrupted_run(full, resumed, 4)
     run_script("transfer_attention", [*transfer_args(models, corpus, resumed, *args),
                                       "--resume_from_checkpoint", "latest"])
     assert_identical_weights(weights(full), weights(resumed))
@@ -455,7 +456,7 @@ def test_lora_run_resumes_to_identical_weights(tmp_path, models, corpus):
     extra = ["--lora_r", "4", "--lora_dropout", "0.1", "--checkpointing_steps", "3"]
     lora_run(models, corpus, tmp_path / "full", *extra)
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_3", resumed / "checkpoints" / "step_3")
+    copy_interrupted_run(tmp_path / "full", resumed, 3)
     lora_run(models, corpus, resumed, *extra, "--resume_from_checkpoint", "latest")
     assert_identical_weights(weights(tmp_path / "full"), weights(resumed))
     with pytest.raises(ValueError, match=r"cannot resume with different settings: --lora_r 8 \(the run in .* used 4"):

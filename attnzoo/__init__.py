@@ -1,5 +1,7 @@
-"""attnzoo: efficient-attention Transformers (Reformer, Performer, RA, LARA, and a softmax baseline) as Hugging Face
-models. Importing the package registers every family with transformers' Auto classes."""
+"""attnzoo: efficient-attention Transformers as Hugging Face models: Reformer (LSH and local attention), Performer
+(FAVOR+, elu+1), RA and LARA (randomized and linear randomized attention), a softmax baseline, a sliding window with
+attention sinks, hybrids of them per layer, and windowed layers (an exact window beside each family's attention).
+Importing the package registers every family with transformers' Auto classes."""
 
 from attnzoo.configuration import (
     ZooConfig,

@@ -50,7 +50,7 @@ SINKS = 4
 WINDOW = ["window_size=32", f"num_sink_tokens={SINKS}"]  # a quarter of the 128-token training length
 LEARNED_FAVOR = ["feature_redraw=learned", "num_random_features=64"]
 LSH = ["lsh_chunk_length=32", "lsh_num_hashes=2"]
-#: name: (family, `--config` settings, passkey data in transfer and fine-tuning)
+#: name: (family, `--model` settings, passkey data in transfer and fine-tuning)
 CONVERSIONS = {
     "performer": ("performer", LEARNED_FAVOR, True),
     "lara": ("lara", ["lara_landmark_transform=true", "lara_chunk_size=32"], True),
@@ -155,7 +155,7 @@ def passkey(folder: Path, out: Path, args, log: list[str]) -> dict:
     """benchmarks/passkey_retrieval.py on one model at the length multiples (its model card gets the figures)."""
     lengths = [args.block_size * m for m in args.length_multiples]
     result_file = out / "passkey.json"
-    run(["benchmarks/passkey_retrieval.py", "--model", folder, "--lengths", *lengths, "--depths",
+    run(["benchmarks/passkey_retrieval.py", "--model_name_or_path", folder, "--lengths", *lengths, "--depths",
          *args.passkey_depths, "--trials", args.passkey_trials, "--seed", args.seed, "--no_task_description",
          "--results", result_file], log, not result_file.is_file())
     model = next(iter(json.loads(result_file.read_text())["models"].values()))
@@ -345,7 +345,7 @@ def main(argv=None) -> dict:
         name = f"window_{window}_{SINKS}_sinks"
         folder = out / name
         execute = fresh(folder, "config.json")
-        run(["-m", "attnzoo.convert.llama", source, folder, "--family", "window", "--seed", args.seed, "--config",
+        run(["-m", "attnzoo.convert.llama", source, folder, "--family", "window", "--seed", args.seed, "--model",
              f"window_size={window}", f"num_sink_tokens={SINKS}"], log, execute)
         report["baselines"][name] = {"window_size": window, "sinks": SINKS, **measure(folder, args, log)}
 
@@ -355,7 +355,7 @@ def main(argv=None) -> dict:
         converted, transferred, finetuned = (out / f"{name}_{stage}" for stage in
                                              ("converted", "transferred", "finetuned"))
         run(["-m", "attnzoo.convert.llama", source, converted, "--family", family, "--seed", args.seed,
-             "--config", *settings], log, fresh(converted, "config.json"))
+             "--model", *settings], log, fresh(converted, "config.json"))
         runs = []
         if has_own_parameters(converted):
             run(["scripts/transfer_attention.py", "--teacher", source, "--student", converted,

@@ -41,7 +41,7 @@ from harness import write_between_markers  # noqa: E402
 from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, save_scratch_init, train  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-#: `--config` of each conversion; the from-scratch runs use the converted config as it is
+#: `--model` of each conversion; the from-scratch runs use the converted config as it is
 CONVERSIONS = {
     "performer": ("performer", ["feature_redraw=learned", "num_random_features=64"]),
     "lara": ("lara", ["lara_landmark_transform=true", "lara_chunk_size=32"]),
@@ -220,7 +220,7 @@ def main(argv=None) -> dict:
             out / f"{name}_scratch"
         execute = fresh(converted, "config.json")
         run(["-m", "attnzoo.convert.llama", source, converted, "--family", family, "--seed", args.seed,
-             *(["--config", *settings] if settings else [])], log, execute)
+             *(["--model", *settings] if settings else [])], log, execute)
         stages = {"converted": converted}
         transfer_run = None
         if has_own_parameters(converted):

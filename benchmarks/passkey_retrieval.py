@@ -5,7 +5,7 @@ attnzoo.evaluation.passkey (prompt layout, scoring and stopping rules are in its
 linear-attention models are known to lose this kind of recall ("LoLA: Low-Rank Linear Attention With Sparse
 Caching", arXiv 2505.23666).
 
-    python benchmarks/passkey_retrieval.py --model runs/quickstart --model PATH2 \\
+    python benchmarks/passkey_retrieval.py --model_name_or_path runs/quickstart --model_name_or_path PATH2 \\
         --lengths 1024 2048 4096 8192 --depths 0 0.25 0.5 0.75 1 --trials 10 --seed 0 \\
         --max_seconds_per_length 600 --results benchmarks/results/passkey_retrieval.json
 
@@ -48,7 +48,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, action="append", required=True,
+    # --model elsewhere means model settings (NAME=VALUE); here it is the older spelling of --model_name_or_path
+    p.add_argument("--model_name_or_path", "--model", dest="model", type=Path, action="append", required=True,
                    help="a checkpoint folder (or Hub id) that AutoModelForCausalLM loads; repeat for several")
     p.add_argument("--tokenizer", default=None, help="the tokenizer to use for every model (default: each model's "
                                                      "own folder)")

@@ -13,7 +13,7 @@ each library's default (2 * L / chunk, factorised when large). Ours runs its def
 Where the two differ by design: our reversible backward recomputes the chunked feed-forward one chunk at a time
 (transformers recomputes all chunks before backpropagating), our windowed attention keeps only what its backward
 needs, and its decoding cache is bounded per token. A GPT-2-size softmax model with SDPA (`ZooSoftmaxForCausalLM`,
-same sizes, learned positions) is the third peer: for generation, and for training up to `--softmax-max-length`.
+same sizes, learned positions) is the third peer: for generation, and for training up to `--softmax_max_length`.
 
 Measures
 - train: one forward + backward of the LM loss (labels = inputs). Time: the median of `--repeats` steps after a
@@ -25,7 +25,7 @@ Measures
     `resource.getrusage(RUSAGE_SELF).ru_maxrss` after the first (cold) step minus the resident set size just before
     it (after the model and inputs exist). It therefore also counts the gradient buffers the first backward
     allocates (about 20 MB here), for every model alike. Times come from another subprocess without that setting.
-- generate: greedy decoding with the cache, a `--prompt`-token prompt and `--new-tokens` new tokens (no early
+- generate: greedy decoding with the cache, a `--prompt`-token prompt and `--new_tokens` new tokens (no early
   stop): new tokens per second of `generate()` wall time (prefill included), plus the prefill time alone and the
   decoding rate without it (new tokens / (generate time - prefill time)).
 Ratios are ours / theirs: below 1 is better for time and memory, above 1 is better for tokens/s.
@@ -260,11 +260,11 @@ def main():
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--repeats", type=int, default=3, help="timed training steps per configuration")
-    parser.add_argument("--softmax-max-length", type=int, default=16384,
+    parser.add_argument("--softmax_max_length", "--softmax-max-length", type=int, default=16384,
                         help="train the softmax peer only up to this length (its time grows quadratically)")
     parser.add_argument("--prompt", type=int, default=3072)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument("--new_tokens", "--new-tokens", type=int, default=256)
+    parser.add_argument("--skip_generation", "--skip-generation", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--output", type=Path, default=RESULTS / "reformer_vs_transformers.json")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
 FINETUNE_RECIPE = ROOT / "recipes" / "uptrain_lm.yaml"
-#: attention settings of each converted family (`--config` of the converter); the from-scratch runs use the same
+#: attention settings of each converted family (`--model` of the converter); the from-scratch runs use the same
 FAMILY_SETTINGS = {"performer": ["num_random_features=64"], "lara": ["lara_chunk_size=64"],
                    "ra": [], "reformer": ["attn_layers=[local,lsh]"]}
 
@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
 
             shutil.rmtree(converted)
         run(["-m", "attnzoo.convert.gpt2", source, converted, "--family", family, "--seed", args.seed,
-             "--config", *FAMILY_SETTINGS[family]], log, execute)
+             "--model", *FAMILY_SETTINGS[family]], log, execute)
         zero_shot = evaluate(converted, args, log, execute)
         train(converted, uptrained, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE,
               execute=fresh(uptrained))

@@ -2,7 +2,7 @@
 only the converted model's own attention parameters (a learned FAVOR+ projection, LARA's landmark transforms) so that
 every layer's attention output matches the source model's on the same input; all other weights stay as converted.
 
-    python -m attnzoo.convert.llama SRC converted --family performer --config feature_redraw=learned
+    python -m attnzoo.convert.llama SRC converted --family performer --model feature_redraw=learned
     accelerate launch scripts/transfer_attention.py --teacher SRC --student converted --output_dir transferred
     accelerate launch scripts/train_lm.py --model_name_or_path transferred --lora_r 8 --lora_alpha 16 ...
 
@@ -162,7 +162,7 @@ def nothing_to_learn_message(student: str, kinds: list[str]) -> str:
             "projections the conversion carried over. Nothing was written. Go straight to fine-tuning:\n"
             f"    accelerate launch scripts/train_lm.py --model_name_or_path {student} --lora_r 8 --lora_alpha 16 "
             "--output_dir ...   (or without --lora_r: full fine-tuning)\n"
-            "To transfer attention, convert with --config feature_redraw=learned (performer, hybrid) or "
+            "To transfer attention, convert with --model feature_redraw=learned (performer, hybrid) or "
             "lara_landmark_transform=true (lara, hybrid).")
 
 

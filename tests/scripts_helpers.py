@@ -95,7 +95,7 @@ def results(folder: str | Path) -> dict:
 # -- data ---------------------------------------------------------------------------------------------------------
 def english_text() -> bytes:
     """Real English prose from CPython's pydoc topics (the quick-start corpus), for byte-level LMs."""
-    from attnzoo.training.text_data import default_corpus_text
+    from attnzoo.corpus import default_corpus_text
 
     return default_corpus_text().encode("utf-8")
 

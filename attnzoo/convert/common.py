@@ -43,7 +43,7 @@ PROJECTION_LAYOUTS = (
 #: (a Linear + LayerNorm on the landmarks; "Linear Complexity Randomized Self-attention Mechanism", arXiv 2204.04667,
 #: §4) is off: a softmax model has none to carry over, and without it the landmarks are segment means of the source's
 #: own queries and keys, whereas even an identity-started transform's LayerNorm would rescale them.
-#: `--config lara_landmark_transform=true` adds it, starting from the identity Linear (see `init_attention_extras`).
+#: `--model lara_landmark_transform=true` adds it, starting from the identity Linear (see `init_attention_extras`).
 CONVERSION_DEFAULTS = {"lara": {"lara_landmark_transform": False}}
 
 
@@ -69,8 +69,6 @@ def family_config_class(family: str):
     """The config class of `attnzoo_{family}`."""
     from transformers import CONFIG_MAPPING
 
-    import attnzoo  # noqa: F401  (registers the families)
-
     if family not in FAMILIES:
         raise ValueError(f"--family {family!r} is unknown; use one of {FAMILIES}.")
     return CONFIG_MAPPING[f"attnzoo_{family}"]
@@ -86,11 +84,11 @@ def build_config(family: str, fixed: dict, defaults: dict, overrides: dict | Non
     probe = config_class()
     unknown = sorted(k for k in overrides if not hasattr(probe, k))
     if unknown:
-        raise ValueError(f"--config {unknown}: not fields of {config_class.__name__}; check the spelling (fields are "
+        raise ValueError(f"--model {unknown}: not fields of {config_class.__name__}; check the spelling (fields are "
                          f"documented in attnzoo.{config_class.__name__}).")
     locked = sorted(k for k in overrides if k in fixed and overrides[k] != fixed[k])
     if locked:
-        raise ValueError(f"--config {locked}: fixed by the source checkpoint ("
+        raise ValueError(f"--model {locked}: fixed by the source checkpoint ("
                          + ", ".join(f"{k}={fixed[k]!r}" for k in locked)
                          + "); the converted model must compute the source's function. Change attention settings "
                            "only, or fine-tune and then change the architecture.")
@@ -166,12 +164,13 @@ def parse_overrides(pairs: list[str] | None) -> dict:
 
 
 def add_converter_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnzoo.training.arguments import add_model_settings_argument
+
     parser.add_argument("dst", help="output folder (must not exist or be empty); written only if everything maps")
     parser.add_argument("--family", default="softmax", choices=FAMILIES,
                         help="attention family of the converted model (softmax: the same function as the source)")
-    parser.add_argument("--config", nargs="*", default=[], metavar="NAME=VALUE",
-                        help="attention settings of the target family, e.g. num_random_features=256 "
-                             "attn_layers=[lsh]")
+    add_model_settings_argument(parser, "attention settings of the target family, e.g. num_random_features=256 "
+                                        "attn_layers=[lsh] (--config, the older spelling, still works)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the attention's own random initialisation (Performer's evaluation features)")
 
@@ -224,8 +223,6 @@ def load_text_tokenizer(src: str):
     """SRC's tokenizer, to travel with the converted model, or None (with a warning) when SRC has none."""
     from transformers import AutoTokenizer
 
-    import attnzoo  # noqa: F401  (a zoo checkpoint's tokenizer config may name zoo classes)
-
     try:
         return AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as error:  # weights without a tokenizer beside them
@@ -251,7 +248,7 @@ def converted_summary(model, dst, report: ConversionReport) -> str:
 
 
 def text_converter_main(module_doc: str, prog: str, src_help: str, load_source, convert, argv=None) -> None:
-    """The command line of a text-model converter: `prog SRC DST --family F [--config ...] [--seed N]`. DST is checked
+    """The command line of a text-model converter: `prog SRC DST --family F [--model ...] [--seed N]`. DST is checked
     and the source loaded and converted before anything is written; the tokenizer travels with the model."""
     parser = argparse.ArgumentParser(prog=prog, description=module_doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -260,7 +257,7 @@ def text_converter_main(module_doc: str, prog: str, src_help: str, load_source, 
     add_converter_arguments(parser)
     args = parser.parse_args(argv)
     check_destination(args.dst)
-    overrides = parse_overrides(args.config)
+    overrides = parse_overrides(args.model)
     source = load_source(args.src)
     report = ConversionReport()
     model = convert(source, args.family, overrides, args.seed, report)

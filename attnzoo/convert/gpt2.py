@@ -1,6 +1,6 @@
 """Convert a transformers GPT-2 checkpoint (`GPT2LMHeadModel` or `GPT2Model`) into any attnzoo family.
 
-    python -m attnzoo.convert.gpt2 SRC DST --family performer [--config num_random_features=128 ...]
+    python -m attnzoo.convert.gpt2 SRC DST --family performer [--model num_random_features=128 ...]
 
 SRC is a folder or a Hub id; DST receives the attnzoo model (`ZooXForCausalLM` for a `GPT2LMHeadModel`, the base
 decoder `ZooXModel` for a `GPT2Model`) and SRC's tokenizer, so it loads with `AutoModelForCausalLM` /
@@ -10,14 +10,14 @@ GPT-2 is the zoo's backbone: pre-LayerNorm blocks, learned absolute positions, a
 the token embedding, biases on every projection, the tanh GELU ("gelu_new"). With `--family softmax` the converted
 model computes the same logits (float64: to 1e-10). Other families get every shared weight (embeddings, norms,
 feed-forward, the attention's q/k/v/output projections; see `attnzoo.convert.common` for each attention's layout)
-and their attention settings from `--config`; their attention then approximates the source's
+and their attention settings from `--model`; their attention then approximates the source's
 (`benchmarks/conversion_fidelity.py` measures how closely) and is fine-tuned from there, as "Finetuning Pretrained
 Transformers into RNNs" (arXiv 2103.13076) does for linear attention.
 
 Reformer conversions keep the family's layer pattern, alternating local and LSH attention (as trax's enwik8 config):
 local layers take q/k/v as they are and equal the source's attention for queries whose keys all lie in their
 window; LSH layers share one query-key projection, which starts as the source's query projection (the key
-projection is dropped), so they change the attention more. `--config attn_layers=[lsh]` makes every layer LSH,
+projection is dropped), so they change the attention more. `--model attn_layers=[lsh]` makes every layer LSH,
 `attn_layers=[local]` every layer local. Whatever the family, the residual stack stays standard (not reversible)
 and positions stay the learned table: those must match the source.
 

@@ -1,6 +1,6 @@
 """Convert a transformers Llama-architecture checkpoint (Llama, Qwen2, Mistral) into any attnzoo family.
 
-    python -m attnzoo.convert.llama SRC DST --family performer [--config num_random_features=128 ...]
+    python -m attnzoo.convert.llama SRC DST --family performer [--model num_random_features=128 ...]
 
 SRC is a folder or a Hub id; DST receives the attnzoo model (`ZooXForCausalLM` for a `...ForCausalLM`, the base
 decoder `ZooXModel` for a `...Model`), SRC's tokenizer and generation config, and the model's own code, so it loads
@@ -24,16 +24,16 @@ Llama's blocks are the zoo's backbone with `norm_type="rmsnorm"`, `mlp_type="gat
 Transformer", arXiv 2002.05202) and `position_embedding_type="rotary"`: with `--family softmax` the converted model
 computes the same logits (float32: to 1e-5) and generates the same tokens. Other families get every shared weight
 (embeddings, norms, the gated feed-forward, the attention's q/k/v/output projections; see `attnzoo.convert.common`
-for each attention's layout) and their attention settings from `--config`; their attention then approximates the
+for each attention's layout) and their attention settings from `--model`; their attention then approximates the
 source's and is fine-tuned from there, as "Finetuning Pretrained Transformers into RNNs" (arXiv 2103.13076) does for
 linear attention. Whatever the family, positions stay rotary, the residual stack standard (not reversible) and the
 activation the source's: those must match the source.
 
 Reformer conversions keep the family's layer pattern, alternating local and LSH attention; LSH layers share one
 query-key projection, which starts as the source's query projection (the key projection is dropped and reported),
-and their values keep the source's `num_key_value_heads` heads. `--config attn_layers=[lsh]` makes every layer LSH.
+and their values keep the source's `num_key_value_heads` heads. `--model attn_layers=[lsh]` makes every layer LSH.
 `--family hybrid` mixes kinds per layer (default: favor, favor, favor, full repeated; a source of fewer than four
-layers keeps its last layer softmax; `--config attn_layers=[local,full]` picks others; a list longer than the source's
+layers keeps its last layer softmax; `--model attn_layers=[local,full]` picks others; a list longer than the source's
 depth is refused). The converter prints which layers got which kind.
 
 Not converted (ValueError naming the setting, before anything is written): a sliding window (Mistral's

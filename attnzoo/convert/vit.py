@@ -1,6 +1,6 @@
 """Convert a timm ViT or (non-distilled) DeiT into any attnzoo family's `ForImageClassification`.
 
-    python -m attnzoo.convert.vit SRC DST --family lara [--config lara_num_samples=49 ...] [--timm_model NAME]
+    python -m attnzoo.convert.vit SRC DST --family lara [--model lara_num_samples=49 ...] [--timm_model NAME]
 
 SRC is a timm model name (`deit_small_patch16_224`, with timm's pretrained weights), a Hub id
 (`timm/vit_base_patch16_224.augreg_in21k_ft_in1k`), a folder saved by timm (`config.json` + weights, read through
@@ -12,7 +12,7 @@ names come from the source (ImageNet class names when it is an ImageNet classifi
 timm's standard ViT is the zoo's image backbone: a convolutional patch embedding with bias, a class token, a learned
 position table over [class token, patches], pre-LayerNorm blocks with the erf GELU, a final LayerNorm and a linear
 head on the class token. With `--family softmax` the converted model computes the same logits (float64: to 1e-10);
-other families get every shared weight and their attention settings from `--config` (layouts and starting values:
+other families get every shared weight and their attention settings from `--model` (layouts and starting values:
 `attnzoo.convert.common`; Reformer's layer pattern: `attnzoo.convert.gpt2`).
 
 Variants that compute something else raise ValueError naming the option: distilled DeiT (a distillation token and
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
                         help="the timm architecture of a checkpoint file (e.g. deit_small_patch16_224)")
     args = parser.parse_args(argv)
     check_destination(args.dst)
-    overrides = parse_overrides(args.config)
+    overrides = parse_overrides(args.model)
     source = load_source(args.src, args.timm_model)
     report = ConversionReport()
     model = convert(source, args.family, overrides, args.seed, report)

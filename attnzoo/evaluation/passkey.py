@@ -99,7 +99,7 @@ def corpus_sentences() -> tuple[str, ...]:
     """Prose sentences of attnzoo's default corpus (CPython's pydoc topics) without digits (the key must be the only
     number in the prompt) and without code or headings: 30 to 300 characters of letters and punctuation,
     capitalised, no "--" (the topics underline their headings with dashes)."""
-    from attnzoo.training.text_data import default_corpus_text
+    from attnzoo.corpus import default_corpus_text
 
     text = re.sub(r"\s+", " ", default_corpus_text())
     sentence = re.compile(r"[A-Z][A-Za-z ,;:'()\-]{28,298}[.!?]")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 from attnzoo.registration import FAMILY_CONFIGS
@@ -15,14 +16,31 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", 
               "constant_with_warmup", "inverse_sqrt")
 
 
+class ModelSettings(argparse.Action):
+    """`--model NAME=VALUE ...`, the model settings of every script and converter; repeated flags add up. `--config`,
+    the converters' older spelling, is still accepted, with a note naming `--model`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string != "--model":
+            print(f"note: {option_string} is the older spelling of --model; use --model NAME=VALUE, the model-settings "
+                  "flag of every attnzoo script and converter.", file=sys.stderr)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *values])
+
+
+def add_model_settings_argument(group, help: str) -> None:
+    """`--model NAME=VALUE ...` (and its older spelling `--config`) into `args.model`."""
+    group.add_argument("--model", nargs="*", default=[], metavar="NAME=VALUE", action=ModelSettings, help=help)
+    group.add_argument("--config", nargs="*", dest="model", action=ModelSettings, help=argparse.SUPPRESS)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_family: str = "softmax") -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--family", default=default_family,
                        help=f"attention family of a new model: {', '.join(FAMILIES)} (model_type attnzoo_FAMILY)")
     group.add_argument("--model_name_or_path", default=None,
                        help="start from this saved folder or Hub id instead of a new model")
-    group.add_argument("--model", nargs="*", default=[], metavar="NAME=VALUE",
-                       help="config values of a new model, e.g. hidden_size=128 attn_layers=[favor] reversible=true")
+    add_model_settings_argument(group, "config values of a new model, e.g. hidden_size=128 attn_layers=[favor] "
+                                       "reversible=true")
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:

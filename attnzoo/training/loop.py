@@ -79,8 +79,6 @@ def new_model_config(family: str, values: dict, overrides: list[str]):
     """A new config of `attnzoo_{family}` from the script's values and the user's `--model NAME=VALUE` overrides."""
     from transformers import CONFIG_MAPPING
 
-    import attnzoo  # noqa: F401  (registers the families)
-
     model_type = f"attnzoo_{family}"
     if model_type not in CONFIG_MAPPING:
         registered = sorted(t.removeprefix("attnzoo_") for t in CONFIG_MAPPING.keys() if t.startswith("attnzoo_"))

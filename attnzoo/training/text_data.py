@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
+from attnzoo.corpus import default_corpus_text
 from attnzoo.training.data_checks import checked_json_files, missing_file_reason, read_utf8_text, utf8_text_files
 
 PASSKEY_FRACTION_HELP = ("this fraction of the training sequences are passkey retrieval sequences (a key hidden in "
@@ -17,14 +18,6 @@ PASSKEY_FRACTION_HELP = ("this fraction of the training sequences are passkey re
                          "that contains the retrieval skill (0: text only)")
 
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
-
-
-def default_corpus_text() -> str:
-    """English text every CPython ships, so the quick start needs no download: the pydoc help topics (the language
-    reference's prose, ~460 KB), as plain text."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name].strip() for name in sorted(topics)) + "\n"
 
 
 def _as_byte_tensor(raw: bytes) -> torch.Tensor:

@@ -96,7 +96,7 @@ def test_softmax_conversion_generates_the_same_tokens():
 def test_every_family_converts_saves_reloads_and_generates(family, saved_source, tmp_path):
     dst = tmp_path / family
     options = [f"{k}={v}" for k, v in FAMILY_OPTIONS[family].items()]
-    gpt2.main([str(saved_source), str(dst), "--family", family, "--config", *options])
+    gpt2.main([str(saved_source), str(dst), "--family", family, "--model", *options])
     model = AutoModelForCausalLM.from_pretrained(dst).eval()
     tokenizer = AutoTokenizer.from_pretrained(dst)
     assert model.config.model_type == f"attnzoo_{family}"
@@ -240,11 +240,11 @@ def test_unknown_source_key_is_named_and_nothing_is_written(tmp_path):
 def test_a_failing_cli_conversion_leaves_no_output(saved_source, tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(ValueError, match="fixed by the source checkpoint"):
-        gpt2.main([str(saved_source), str(dst), "--family", "performer", "--config", "hidden_size=64"])
+        gpt2.main([str(saved_source), str(dst), "--family", "performer", "--model", "hidden_size=64"])
     with pytest.raises(ValueError, match="not fields of ZooPerformerConfig"):
-        gpt2.main([str(saved_source), str(dst), "--family", "performer", "--config", "num_random_featurez=8"])
+        gpt2.main([str(saved_source), str(dst), "--family", "performer", "--model", "num_random_featurez=8"])
     with pytest.raises(ValueError, match="attention 'favor'"):  # a kind of another family
-        gpt2.main([str(saved_source), str(dst), "--family", "softmax", "--config", "attn_layers=[favor]"])
+        gpt2.main([str(saved_source), str(dst), "--family", "softmax", "--model", "attn_layers=[favor]"])
     assert not dst.exists() and not list(tmp_path.glob(".out.*"))
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
@@ -262,7 +262,7 @@ def test_other_gpt2_heads_are_rejected():
 def test_base_model_reloads_with_auto_model(tmp_path):
     source = tiny_source(GPT2Model).float()
     source.save_pretrained(tmp_path / "src")
-    gpt2.main([str(tmp_path / "src"), str(tmp_path / "dst"), "--family", "performer", "--config",
+    gpt2.main([str(tmp_path / "src"), str(tmp_path / "dst"), "--family", "performer", "--model",
                "num_random_features=16"])
     model = AutoModel.from_pretrained(tmp_path / "dst")
     assert type(model).__name__ == "ZooPerformerModel"
@@ -276,7 +276,7 @@ def test_uptraining_a_converted_gpt2_with_train_lm_and_the_recipe(saved_source, 
     from tests.scripts_helpers import QUIET, ROOT, results, run_script
 
     converted, out = tmp_path / "performer", tmp_path / "uptrained"
-    gpt2.main([str(saved_source), str(converted), "--family", "performer", "--config", "num_random_features=16"])
+    gpt2.main([str(saved_source), str(converted), "--family", "performer", "--model", "num_random_features=16"])
     short = ["--block_size", "32", "--max_eval_batches", "4", "--per_device_eval_batch_size", "4"]
     before = run_script("evaluate", ["--model_name_or_path", converted, *short])["bits_per_dim"]
     bpd = run_script("train_lm", ["--recipe", ROOT / "recipes" / "uptrain_lm.yaml", "--model_name_or_path", converted,

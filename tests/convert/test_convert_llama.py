@@ -298,7 +298,7 @@ def test_rope_parameters_per_layer_type_must_agree():
 def test_every_family_converts_saves_reloads_and_decodes(family, saved_source, tmp_path):
     dst = tmp_path / family
     options = [f"{k}={v}" for k, v in FAMILY_OPTIONS.get(family, {}).items()]
-    llama.main([str(saved_source), str(dst), "--family", family, "--config", *options])
+    llama.main([str(saved_source), str(dst), "--family", family, "--model", *options])
     model = AutoModelForCausalLM.from_pretrained(dst).eval()
     tokenizer = AutoTokenizer.from_pretrained(dst)
     config = model.config
@@ -358,7 +358,7 @@ def test_hybrid_takes_any_attention_kinds_per_layer(monkeypatch):
 def test_the_hybrid_default_layout_fits_the_source_depth_and_is_printed(saved_source, tmp_path, capsys):
     """A 2-layer Llama converted with --family hybrid used to build two FAVOR+ layers while config.json said
     [favor, favor, favor, full]."""
-    llama.main([str(saved_source), str(tmp_path / "hybrid"), "--family", "hybrid", "--config", "num_random_features=8"])
+    llama.main([str(saved_source), str(tmp_path / "hybrid"), "--family", "hybrid", "--model", "num_random_features=8"])
     assert "layers 0 favor, 1 full" in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid")
     assert model.config.attn_layers == ["favor", "full"]
@@ -367,10 +367,17 @@ def test_the_hybrid_default_layout_fits_the_source_depth_and_is_printed(saved_so
         "FavorAttention", "SoftmaxAttention"]
 
 
+def test_the_older_config_spelling_still_works_and_names_model(saved_source, tmp_path, capsys):
+    """--model NAME=VALUE is the model-settings flag of every script and converter; --config still works."""
+    llama.main([str(saved_source), str(tmp_path / "old"), "--family", "performer", "--config", "num_random_features=8"])
+    assert "note: --config is the older spelling of --model" in capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "old").config.num_random_features == 8
+
+
 def test_a_layout_longer_than_the_source_is_refused_before_writing(saved_source, tmp_path):
     with pytest.raises(ValueError, match=r"attn_layers=\['favor', 'full', 'lara'\] is invalid: it lists 3 attention "
                                          r"kinds for 2 layers \(num_hidden_layers=2\)"):
-        llama.main([str(saved_source), str(tmp_path / "out"), "--family", "hybrid", "--config",
+        llama.main([str(saved_source), str(tmp_path / "out"), "--family", "hybrid", "--model",
                     "attn_layers=[favor,full,lara]"])
     assert not (tmp_path / "out").exists()
 
@@ -506,13 +513,13 @@ def test_other_llama_heads_are_rejected():
 def test_a_failing_cli_conversion_leaves_no_output(saved_source, tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(ValueError, match="fixed by the source checkpoint"):
-        llama.main([str(saved_source), str(dst), "--family", "performer", "--config", "rope_theta=5.0"])
+        llama.main([str(saved_source), str(dst), "--family", "performer", "--model", "rope_theta=5.0"])
     with pytest.raises(ValueError, match="fixed by the source checkpoint"):
-        llama.main([str(saved_source), str(dst), "--family", "reformer", "--config", "reversible=true"])
+        llama.main([str(saved_source), str(dst), "--family", "reformer", "--model", "reversible=true"])
     with pytest.raises(ValueError, match="not fields of ZooPerformerConfig"):
-        llama.main([str(saved_source), str(dst), "--family", "performer", "--config", "num_random_featurez=8"])
+        llama.main([str(saved_source), str(dst), "--family", "performer", "--model", "num_random_featurez=8"])
     with pytest.raises(ValueError, match="attention 'favor'"):  # a kind of another family
-        llama.main([str(saved_source), str(dst), "--family", "softmax", "--config", "attn_layers=[favor]"])
+        llama.main([str(saved_source), str(dst), "--family", "softmax", "--model", "attn_layers=[favor]"])
     assert not dst.exists() and not list(tmp_path.glob(".out.*"))
     dst.mkdir()
     (dst / "keep.txt").write_text("x")

@@ -83,7 +83,7 @@ def test_no_qkv_bias_converts_with_zero_biases():
 def test_every_family_converts_saves_reloads_and_classifies(family, saved_source, tmp_path):
     dst = tmp_path / family
     options = [f"{k}={v}" for k, v in FAMILY_OPTIONS[family].items()]
-    vit.main([str(saved_source), str(dst), "--family", family, "--config", *options])
+    vit.main([str(saved_source), str(dst), "--family", family, "--model", *options])
     model = AutoModelForImageClassification.from_pretrained(dst).eval()
     assert model.config.model_type == f"attnzoo_{family}" and model.config.num_labels == 5
     source = timm.create_model(f"local-dir:{saved_source}", pretrained=True).eval()
@@ -118,7 +118,7 @@ def test_checkpoint_file_with_timm_model_name_and_imagenet_labels(tmp_path):
     with pytest.raises(ValueError, match="do not fit timm's deit_small_patch16_224"):
         vit.main([str(tmp_path / "deit.safetensors"), str(tmp_path / "out"), "--timm_model", "deit_small_patch16_224"])
     vit.main([str(tmp_path / "deit.safetensors"), str(tmp_path / "out"), "--family", "softmax",
-              "--timm_model", "deit_tiny_patch16_224", "--config", "hidden_dropout_prob=0.0"])
+              "--timm_model", "deit_tiny_patch16_224", "--model", "hidden_dropout_prob=0.0"])
     model = AutoModelForImageClassification.from_pretrained(tmp_path / "out").eval()
     assert model.config.id2label[0] == "tench, Tinca tinca" and model.config.num_hidden_layers == 12
     processor = AutoImageProcessor.from_pretrained(tmp_path / "out")
@@ -205,7 +205,7 @@ def test_fine_tuning_a_converted_vit_keeps_its_size_and_normalisation(saved_sour
 
     images = write_image_folders(tmp_path / "glyphs", image_size=16, per_class=6, validation=2)
     converted, out = tmp_path / "lara", tmp_path / "run"
-    vit.main([str(saved_source), str(converted), "--family", "lara", "--config", "lara_num_samples=4"])
+    vit.main([str(saved_source), str(converted), "--family", "lara", "--model", "lara_num_samples=4"])
     accuracy = run_script("train_image_classification", [
         "--model_name_or_path", converted, "--train_dir", images / "train", "--validation_dir",
         images / "validation", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",

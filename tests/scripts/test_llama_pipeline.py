@@ -38,7 +38,7 @@ def test_convert_transfer_finetune_with_lora_and_load_in_a_fresh_process(tmp_pat
     save_tiny_llama(source, layers=3, positions=64)
     env = script_env()
     subprocess.run([sys.executable, "-m", "attnzoo.convert.llama", source, converted, "--family", "hybrid",
-                    "--config", "attn_layers=[favor,favor_window,full]", "feature_redraw=learned",
+                    "--model", "attn_layers=[favor,favor_window,full]", "feature_redraw=learned",
                     "num_random_features=16", "window_size=8", "num_sink_tokens=2"],
                    check=True, cwd=ROOT, env=env, capture_output=True)
     common = ["--block_size", 32, "--per_device_train_batch_size", 2, "--max_train_steps", 3, "--seed", 0]

@@ -43,7 +43,7 @@ def converted(tmp_path):
     source = tmp_path / "llama"
     tiny_source().save_pretrained(source)
     folder = tmp_path / "conv"
-    convert_llama([str(source), str(folder), "--family", "performer", "--config", "num_random_features=16"])
+    convert_llama([str(source), str(folder), "--family", "performer", "--model", "num_random_features=16"])
     return folder
 
 

@@ -89,7 +89,7 @@ def models(tmp_path_factory):
     def folder(name: str, family: str = "softmax", options: dict | None = None):
         if name not in made:
             pairs = [f"{key}={json.dumps(value).replace(' ', '')}" for key, value in (options or {}).items()]
-            gpt2.main([str(source), str(root / name), "--family", family, "--config", *pairs])
+            gpt2.main([str(source), str(root / name), "--family", family, "--model", *pairs])
             made[name] = root / name
         return made[name]
 

@@ -1,5 +1,5 @@
 """The documents of the attnzoo_pydoc_* lm-eval tasks: prose from the held-out tail of the text the quick start trains
-on (CPython's pydoc help topics, `attnzoo.training.text_data.default_corpus_text`; scripts/train_lm.py holds out its
+on (CPython's pydoc help topics, `attnzoo.corpus.default_corpus_text`; scripts/train_lm.py holds out its
 last 5%), so a quick-start model is never scored on text it trained on.
 
 lm-eval loads this file by its path (`!function` in the YAML files beside it), wherever the folder is passed as
@@ -25,7 +25,7 @@ _SENTENCE_END = re.compile(r"(?<=[.:;])\s+(?=[A-Z])")
 
 
 def corpus_text() -> str:
-    """The quick start's corpus, built as `attnzoo.training.text_data.default_corpus_text` builds it."""
+    """The quick start's corpus, built as `attnzoo.corpus.default_corpus_text` builds it."""
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name].strip() for name in sorted(topics)) + "\n"

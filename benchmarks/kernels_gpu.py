@@ -8,7 +8,7 @@ CUDA only. Batch 1, 8 heads of dimension 64, bfloat16 inputs, at each length:
    the chunked PyTorch path, fla's `chunk_simple_gla` with the same decay (log decay M_{t-1} - M_t; the numerator
    only, fla has no normaliser there) and fla's `chunk_linear_attn` (normalised, no decay) when fla
    (`pip install flash-linear-attention`) is importable, and SDPA causal softmax attention (the baseline).
-2. Windowed chunk attention (attnzoo.ops.windowed_attention, chunks of 64) on the exact masks of a causal
+2. Windowed chunk attention (attnzoo.ops.chunked_attention, chunks of 64) on the exact masks of a causal
    LocalAttention layer (one chunk back) and a causal 2-round LSHAttention layer (bucket window, duplicate
    correction, self penalty), captured from their forward: Triton, FlexAttention and the PyTorch path, against SDPA.
 Times: median of --repeats runs of the forward (under no_grad) and of forward + backward (a loss weighting every
@@ -175,11 +175,11 @@ def sdpa_step(q, v, weights):
 
 # -- 2. windowed chunk attention --------------------------------------------------------------------------------
 class _Captured(Exception):
-    """Raised by the capturing stand-in to stop a layer's forward once its windowed_attention call is known."""
+    """Raised by the capturing stand-in to stop a layer's forward once its chunked_attention call is known."""
 
 
 def captured_window_call(kind: str, length: int):
-    """(q, k, v, mask, scale) of the windowed_attention call of a causal local or LSH layer on random inputs."""
+    """(q, k, v, mask, scale) of the chunked_attention call of a causal local or LSH layer on random inputs."""
     import attnzoo.modeling.attention.local as local_module
     import attnzoo.modeling.attention.lsh as lsh_module
     from attnzoo import ZooReformerConfig
@@ -197,20 +197,20 @@ def captured_window_call(kind: str, length: int):
         seen.append((q.detach(), k.detach(), v.detach(), mask, scale))
         raise _Captured
 
-    original = module.windowed_attention
-    module.windowed_attention = capture
+    original = module.chunked_attention
+    module.chunked_attention = capture
     try:
         with torch.no_grad():
             layer(torch.randn(1, length, HEADS * HEAD_DIM, device=DEVICE, dtype=torch.bfloat16))
     except _Captured:
         pass
     finally:
-        module.windowed_attention = original
+        module.chunked_attention = original
     return seen[0]
 
 
 def windowed_steps(kind: str, length: int) -> dict:
-    from attnzoo.ops import windowed_attention
+    from attnzoo.ops import chunked_attention
 
     q, k, v, mask, scale = captured_window_call(kind, length)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
@@ -222,7 +222,7 @@ def windowed_steps(kind: str, length: int) -> dict:
             qq, kk, vv = leaves((q, k, v), train)
 
             def step():
-                out, lse = windowed_attention(qq, kk, vv, mask, scale, backend=backend)
+                out, lse = chunked_attention(qq, kk, vv, mask, scale, backend=backend)
                 if train:
                     backward_of([out, lse], weights, (qq, kk, vv))
             return step

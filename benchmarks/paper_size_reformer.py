@@ -11,7 +11,7 @@ and an exact-softmax model of the same sizes with activation checkpointing, each
 
 Models (vocabulary 256, every dropout 0, ReLU feed-forward, batch `--batch_size` 1):
 - `attnzoo`: `ZooReformerForCausalLM` with the family's defaults: reversible layers, alternating local / LSH
-  attention (`--num_hashes` 2 rounds, chunks of 64, one chunk of look-back, `lsh_window="bucket"`, duplicate
+  attention (`--num_hashes` 2 rounds, chunks of 64, one chunk of look-back, `lsh_attend_to="bucket"`, duplicate
   correction), axial positions (shape: the factor pair of the length nearest its square root, dims d/4 + 3d/4,
   i.e. 256 + 768), feed-forward in chunks of 2048 positions, LSH bucket count 2 x length / chunk (factorised);
 - `transformers`: `ReformerModelWithLMHead` with the same settings (`attn_layers` local, lsh, ...; chunk lengths 64;

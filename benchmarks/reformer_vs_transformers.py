@@ -9,7 +9,7 @@ layers, 2 hash rounds, chunks of 64 for both attentions, one chunk of look-back,
 shape (L / a, a) so transformers can train at length L), vocabulary 256, batch 1, every dropout 0, feed-forward in
 chunks of 2048 positions (transformers needs the length to be a multiple, hence min(2048, L)); the bucket count is
 each library's default (2 * L / chunk, factorised when large). Ours runs its defaults otherwise
-(`lsh_window="bucket"`, duplicate correction), so it does a little more masking work than transformers' Reformer.
+(`lsh_attend_to="bucket"`, duplicate correction), so it does a little more masking work than transformers' Reformer.
 Where the two differ by design: our reversible backward recomputes the chunked feed-forward one chunk at a time
 (transformers recomputes all chunks before backpropagating), our windowed attention keeps only what its backward
 needs, and its decoding cache is bounded per token. A GPT-2-size softmax model with SDPA (`ZooSoftmaxForCausalLM`,

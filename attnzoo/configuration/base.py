@@ -43,6 +43,8 @@ PEER_SPELLINGS = {
     "local_attn_chunk_length": "local_chunk_length",
     "feed_forward_size": "intermediate_size",
     "nb_features": "num_random_features",
+    # attnzoo's own older names: configs saved with them load with the same behaviour
+    "lsh_window": "lsh_attend_to",
 }
 #: keys transformers writes into or passes through a config besides its fields (they vary between releases)
 _TRANSFORMERS_EXTRA_KEYS = {
@@ -271,12 +273,12 @@ class ZooConfig(PreTrainedConfig):
                 if getattr(self, target) != self.__dataclass_fields__[target].default and \
                         getattr(self, target) != value:
                     raise ValueError(f"{key}={value!r} and {target}={getattr(self, target)!r} set the same thing "
-                                     f"({key} is another project's name for {target}); pass only {target}.")
+                                     f"({key} is another name for {target}); pass only {target}.")
                 setattr(self, target, value)
             elif key.startswith("_") or key in transformers_config_keys():
                 passed[key] = value
             elif target is not None:
-                raise ValueError(f"{key}={value!r}: {key} is another project's name for {target}, which "
+                raise ValueError(f"{key}={value!r}: {key} is another name for {target}, which "
                                  f"{type(self).__name__} does not have; use the family whose config has {target}.")
             else:
                 names = fields | {peer for peer, field in PEER_SPELLINGS.items() if field in fields}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from attnzoo.configuration.base import ZooConfig
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
-LSH_WINDOWS = ("chunk", "bucket")
+LSH_ATTEND_TO = ("chunk", "bucket")
 
 
 class ZooReformerConfig(ZooConfig):
@@ -35,7 +35,7 @@ class ZooReformerConfig(ZooConfig):
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
             hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
             attend fully (to at most this many keys), so a position's attention does not depend on the length.
-        lsh_window: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (§2,
+        lsh_attend_to: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (§2,
             Eq. 3), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
             `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with
             the query instead of the chunk grid. A causal query's keys then depend on earlier tokens only, and
@@ -75,7 +75,7 @@ class ZooReformerConfig(ZooConfig):
     lsh_num_hashes_eval: int | None = None
     lsh_hash_seed: int | None = None
     lsh_full_attention_threshold: int | None = None
-    lsh_window: str = "bucket"
+    lsh_attend_to: str = "bucket"
     lsh_duplicate_correction: bool = True
     lsh_attention_probs_dropout_prob: float | None = None
 
@@ -110,7 +110,7 @@ class ZooReformerConfig(ZooConfig):
                   optional=True)
         check_int(self, "lsh_full_attention_threshold", 0, "set a non-negative integer (0 = always hash), or None "
                                                            "for lsh_chunk_length.", optional=True)
-        check_choice(self, "lsh_window", LSH_WINDOWS)
+        check_choice(self, "lsh_attend_to", LSH_ATTEND_TO)
         check_choice(self, "lsh_duplicate_correction", (True, False))
         check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
         check_probability(self, "local_attention_probs_dropout_prob", optional=True)

@@ -12,7 +12,7 @@ What makes the two compute the same function:
   attention head size that may differ from hidden_size / heads;
 - LSH: shared query-key projection, keys normalised the same way (RMS-norm / sqrt(d)), the self-penalty -1e5 and
   mask value -1e9, full attention up to `lsh_attn_chunk_length` tokens, chunk windows across buckets
-  (`lsh_window="chunk"`) and no duplicate correction (transformers has none);
+  (`lsh_attend_to="chunk"`) and no duplicate correction (transformers has none);
 - local attention: separate Q/K/V, 1/sqrt(d) scaling, the same chunk grid and look-back;
 - axial position embeddings: transformers keeps axis i as a [1, .., n_i, .., 1, d_i] tensor broadcast over the
   row-major grid, which is our `weight_i` [n_i, d_i] with the same row-major digits.
@@ -72,7 +72,7 @@ def convert_config(hf_config, lm_head_bias: bool = False) -> ZooReformerConfig:
         lsh_num_buckets=hf_config.num_buckets if hf_config.num_buckets is None or isinstance(
             hf_config.num_buckets, int) else list(hf_config.num_buckets),
         lsh_hash_seed=hf_config.hash_seed, lsh_full_attention_threshold=hf_config.lsh_attn_chunk_length,
-        lsh_window="chunk", lsh_duplicate_correction=False,
+        lsh_attend_to="chunk", lsh_duplicate_correction=False,
         lsh_attention_probs_dropout_prob=hf_config.lsh_attention_probs_dropout_prob,
         local_chunk_length=hf_config.local_attn_chunk_length,
         local_num_chunks_before=hf_config.local_num_chunks_before,

@@ -96,7 +96,7 @@ def test_lsh_covering_the_sequence_equals_exact_shared_qk_attention(causal, path
     torch.manual_seed(0)
     length = 11
     if path == "one chunk":  # hashing still runs, 3 rounds, but one chunk holds everything
-        overrides = dict(lsh_chunk_length=16, lsh_window="chunk", lsh_num_hashes=3)
+        overrides = dict(lsh_chunk_length=16, lsh_attend_to="chunk", lsh_num_hashes=3)
     else:
         overrides = dict(lsh_full_attention_threshold=16)
     attn = LSHAttention(config(**overrides), 0, causal).double().eval()
@@ -113,7 +113,7 @@ LSH_SETTINGS = list(itertools.product([False, True], ["bucket", "chunk"], [13, 1
 @pytest.mark.parametrize("causal,window,length,rounds", LSH_SETTINGS)
 def test_lsh_fast_path_equals_reference(causal, window, length, rounds):
     torch.manual_seed(length + rounds)
-    attn = LSHAttention(config(lsh_window=window, lsh_num_hashes=rounds, lsh_num_chunks_after=1), 0, causal)
+    attn = LSHAttention(config(lsh_attend_to=window, lsh_num_hashes=rounds, lsh_num_chunks_after=1), 0, causal)
     attn = attn.double().train()  # training mode: the train-time number of rounds
     x = torch.randn(2, length, HIDDEN, dtype=torch.float64, requires_grad=True)
     mask = padding_mask(2, length)
@@ -139,7 +139,7 @@ def test_multi_round_attention_is_a_softmax_over_the_union_of_the_rounds(window)
     # Appendix A: with the duplicate correction, combining rounds by their log-sum-exps equals one softmax over the
     # union of the rounds' candidate keys. The union is built here from the buckets alone.
     torch.manual_seed(3)
-    attn = LSHAttention(config(lsh_window=window, lsh_num_hashes=4, lsh_num_chunks_after=1), 0,
+    attn = LSHAttention(config(lsh_attend_to=window, lsh_num_hashes=4, lsh_num_chunks_after=1), 0,
                         causal=False).double().eval()
     length, m = 16, 4
     x = torch.randn(1, length, HIDDEN, dtype=torch.float64)
@@ -229,7 +229,7 @@ def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatc
 
 @pytest.mark.parametrize("correction", [True, False])
 def test_cached_decoding_equals_the_full_forward_with_real_hashing(correction):
-    # lsh_window="bucket" (default) + seeded rotations + a fixed bucket count: a cached step attends exactly to what
+    # lsh_attend_to="bucket" (default) + seeded rotations + a fixed bucket count: a cached step attends exactly to what
     # the full forward gives the last token, in every layer.
     model = decoding_model(lsh_num_hashes_eval=3, lsh_duplicate_correction=correction)
     ids = torch.randint(2, 37, (2, 30))

@@ -78,7 +78,7 @@ def window_and_sinks_only(attn, x, mask, positions):
     (4, 2, "bucket", True), (4, 2, "bucket", False), (3, 0, "chunk", True), (5, 7, "bucket", True),
     (5, 7, "chunk", False), (1, 0, "bucket", True), (1, 0, "chunk", True), (64, 4, "bucket", True)])
 def test_parallel_form_equals_dense_reference_with_padding(window, sinks, lsh_window, correction):
-    attn = layer(window_size=window, num_sink_tokens=sinks, lsh_window=lsh_window,
+    attn = layer(window_size=window, num_sink_tokens=sinks, lsh_attend_to=lsh_window,
                  lsh_duplicate_correction=correction)
     x = torch.randn(2, LENGTH, 32, dtype=torch.float64, requires_grad=True)
     mask, positions = left_padded()

@@ -107,7 +107,7 @@ def test_other_projects_names_for_a_setting_set_it(model_type, key, value, field
                                                   r"you mean 'attn_layers'\?"),
     ("attnzoo_reformer", dict(num_hash=4), r"num_hash=4 is not a setting of ZooReformerConfig; did you mean "
                                            r"'lsh_num_hashes'\?"),
-    ("attnzoo_softmax", dict(nb_features=64), r"nb_features is another project's name for num_random_features, "
+    ("attnzoo_softmax", dict(nb_features=64), r"nb_features is another name for num_random_features, "
                                               r"which ZooSoftmaxConfig does not have"),
     ("attnzoo_reformer", dict(num_hashes=4, lsh_num_hashes=3), r"num_hashes=4 and lsh_num_hashes=3 set the same "
                                                                r"thing.*pass only lsh_num_hashes"),

@@ -65,7 +65,7 @@ def test_transformers_reformer_converts_to_equal_logits(overrides, tmp_path):
     loaded = ZooReformerForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto").eval()
     reloaded_source = type(source).from_pretrained(tmp_path / "src", dtype="auto").eval()
     assert loaded.dtype == torch.float64
-    assert loaded.config.reversible_merge == "concat" and loaded.config.lsh_window == "chunk"
+    assert loaded.config.reversible_merge == "concat" and loaded.config.lsh_attend_to == "chunk"
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, reloaded_source(ids).logits, rtol=1e-10, atol=1e-10)
     # cached greedy decoding of the converted model equals its full forward
@@ -138,7 +138,7 @@ def test_chunk_window_lets_later_hashes_move_earlier_windows():
     # Documents why "bucket" is the default: with chunk windows a later token can reorder the sorted sequence and
     # change which earlier keys share an earlier query's chunk.
     torch.manual_seed(0)
-    model = ZooReformerForCausalLM(lm_config(attn_layers=["lsh"], lsh_window="chunk", num_hidden_layers=1,
+    model = ZooReformerForCausalLM(lm_config(attn_layers=["lsh"], lsh_attend_to="chunk", num_hidden_layers=1,
                                              lsh_num_buckets=8)).double().eval()
     ids = torch.randint(2, 37, (1, 32))
     base = model(ids).logits
@@ -185,7 +185,7 @@ def test_any_length_trains_and_generates():
 
 # -- configuration -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [("lsh_chunk_length", 0), ("lsh_num_buckets", 5), ("lsh_num_buckets", [4, 3]),
-                                         ("lsh_num_hashes", 0), ("lsh_num_hashes_eval", 0), ("lsh_window", "ring"),
+                                         ("lsh_num_hashes", 0), ("lsh_num_hashes_eval", 0), ("lsh_attend_to", "ring"),
                                          ("lsh_hash_seed", -1), ("lsh_full_attention_threshold", -2),
                                          ("lsh_num_chunks_before", -1), ("local_chunk_length", 0),
                                          ("local_num_chunks_after", -1), ("lsh_attention_probs_dropout_prob", 1.0),
@@ -202,7 +202,7 @@ def test_lsh_defaults_follow_the_paper():
     cfg = config()
     assert (cfg.lsh_num_chunks_before, cfg.lsh_num_chunks_after) == (1, 0)
     assert (cfg.local_num_chunks_before, cfg.local_num_chunks_after) == (1, 1)
-    assert cfg.lsh_duplicate_correction is True and cfg.lsh_window == "bucket"
+    assert cfg.lsh_duplicate_correction is True and cfg.lsh_attend_to == "bucket"
 
 
 def test_concatenated_streams_need_reversible_and_untied_embeddings():
@@ -211,3 +211,24 @@ def test_concatenated_streams_need_reversible_and_untied_embeddings():
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         config(reversible_merge="concat")
     assert config(reversible_merge="concat", tie_word_embeddings=False).stack_output_size == 2 * HIDDEN
+
+
+def test_a_config_saved_with_the_older_lsh_window_key_loads_with_the_same_behaviour(tmp_path):
+    """`lsh_window` ("bucket"/"chunk") is now `lsh_attend_to`, so that "window" means only the sliding window with
+    sinks; a checkpoint saved with the older key attends as it did."""
+    import json
+
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(attn_layers=["lsh"], lsh_attend_to="chunk", num_hidden_layers=1)).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "lsh_window" not in saved
+    saved["lsh_window"] = saved.pop("lsh_attend_to")  # as an earlier release wrote it
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = ZooReformerForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.lsh_attend_to == "chunk" and loaded.model.transformer.blocks[0].attn.attend_to == "chunk"
+    ids = torch.randint(1, 37, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"lsh_window='bucket' and lsh_attend_to='chunk' set the same thing"):
+        ZooReformerConfig(lsh_attend_to="chunk", lsh_window="bucket")

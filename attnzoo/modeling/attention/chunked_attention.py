@@ -1,6 +1,6 @@
 """The base of the Reformer's two attentions (local and LSH): heads of `reformer_head_size`, a sequence cut into
 chunks of consecutive positions (of the sequence, or of the hash-sorted order) that each attend to a few neighbouring
-chunks through `attnzoo.ops.windowed_attention`, attention dropout, and a `TokenBufferLayer` for decoding."""
+chunks through `attnzoo.ops.chunked_attention`, attention dropout, and a `TokenBufferLayer` for decoding."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from attnzoo.modeling.attention.window_linear import (
     far_sums,
     read_far,
 )
-from attnzoo.ops.windowed_attention import mask_values
+from attnzoo.ops.chunked_attention import mask_values
 
 
 @register_attention("favor_window")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.cache import TokenBufferLayer
-from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple, windowed_attention
+from attnzoo.ops.chunked_attention import ChunkMask, chunked_attention, mask_values, pad_to_multiple
 
 
 def leading_padding(key_mask: torch.Tensor) -> torch.Tensor:
@@ -83,11 +83,11 @@ class LocalAttention(ChunkedAttention):
         valid = pad_to_multiple(valid, m, dim=1, value=False)
         padded = q.shape[2]
         chunks = padded // m
-        mask = WindowMask(positions=torch.arange(padded, device=q.device).view(1, chunks, m).expand(
+        mask = ChunkMask(positions=torch.arange(padded, device=q.device).view(1, chunks, m).expand(
                               batch * heads, chunks, m),
                           valid=valid.repeat_interleave(heads, dim=0).view(batch * heads, chunks, m),
                           before=before, after=after, causal=self.causal)
-        out, _ = windowed_attention(*(x.reshape(batch * heads, chunks, m, dim) for x in (q, k, v)), mask,
+        out, _ = chunked_attention(*(x.reshape(batch * heads, chunks, m, dim) for x in (q, k, v)), mask,
                                     self.scale, self.dropout_rate, save_probs)
         out = out.view(batch, heads, padded, dim)[:, :, :length]
         if shift is not None:

@@ -3,9 +3,9 @@ Appendix A), vectorised over batch, heads and hash rounds.
 
 Queries and keys are shared (k = q / |q|). In each hash round every position is hashed by angular LSH
 (`lsh_hashing`), positions are sorted by (bucket, position), the sorted sequence is cut into chunks, and each chunk
-attends to a window of neighbouring chunks through `attnzoo.ops.windowed_attention`; which keys of the window a query
-may use is set by `lsh_window` (see `ZooReformerConfig`). A query's own key gets a large finite penalty, so it is used
-only when nothing else is. Rounds are combined through their log-sum-exps, with the duplicate correction computed by
+attends to its neighbouring chunks through `attnzoo.ops.chunked_attention`; which keys among them a query may use is
+set by `lsh_attend_to` (see `ZooReformerConfig`). A query's own key gets a large finite penalty, so it is used only
+when nothing else is. Rounds are combined through their log-sum-exps, with the duplicate correction computed by
 attending each key of the union in the first round that lists it. Short sequences (and, in causal layers, the first
 `lsh_full_attention_threshold` positions) get full shared-QK attention. A reversible recomputation reuses the
 forward's buckets. Decoding keeps every token's key, value and buckets plus each bucket's most recent keys, so a new
@@ -32,8 +32,8 @@ from attnzoo.modeling.attention.lsh_hashing import (
     sort_by_bucket,
 )
 from attnzoo.modeling.cache import StaticTokenBufferLayer, TokenBufferLayer
+from attnzoo.ops.chunked_attention import ChunkMask, chunked_attention, mask_values, pad_to_multiple
 from attnzoo.ops.triton_utils import resolve_backend
-from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple, windowed_attention
 
 
 def new_token_index(cache: TokenBufferLayer, device) -> torch.Tensor:
@@ -63,10 +63,10 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class LSHAttention(ChunkedAttention):
     """Shared-QK multi-round LSH self-attention; see the module docstring."""
 
-    #: The `windowed_attention` backend of `lsh_attention` ("auto": the fused Triton kernels on CUDA). The fused
-    #: kernels read the `WindowMask` fields themselves; a subclass whose `window_mask` returns a mask that allows fewer
-    #: keys through an overridden `WindowMask.disallowed` (only the PyTorch path calls it) sets "torch".
-    window_backend = "auto"
+    #: The `chunked_attention` backend of `lsh_attention` ("auto": the fused Triton kernels on CUDA). The fused
+    #: kernels read the `ChunkMask` fields themselves; a subclass whose `window_mask` returns a mask that allows fewer
+    #: keys through an overridden `ChunkMask.disallowed` (only the PyTorch path calls it) sets "torch".
+    chunk_backend = "auto"
     #: With the "bucket" window a query's keys lie within `lsh_num_chunks_before` chunk lengths before it and
     #: `lsh_num_chunks_after` after it in the sorted order (the group band), so on the PyTorch path `lsh_attention`
     #: cuts every chunk into this many sub-chunks, each attending as many sub-chunks back and ahead: the same keys and
@@ -89,7 +89,7 @@ class LSHAttention(ChunkedAttention):
         self.max_positions = config.max_position_embeddings
         threshold = config.lsh_full_attention_threshold
         self.full_attention_threshold = self.chunk_length if threshold is None else threshold
-        self.window = config.lsh_window
+        self.attend_to = config.lsh_attend_to
         self.duplicate_correction = config.lsh_duplicate_correction
 
     # -- pieces ---------------------------------------------------------------------------------------------
@@ -233,18 +233,18 @@ class LSHAttention(ChunkedAttention):
                                              scale=1.0)
         return out * has_key
 
-    def window_mask(self, **fields) -> WindowMask:
-        """The `WindowMask` of `lsh_attention`'s chunks, from its fields; a subclass may allow fewer keys."""
-        return WindowMask(**fields)
+    def window_mask(self, **fields) -> ChunkMask:
+        """The `ChunkMask` of `lsh_attention`'s chunks, from its fields; a subclass may allow fewer keys."""
+        return ChunkMask(**fields)
 
     def _split_bucket_window(self, x) -> bool:
         """Whether `lsh_attention` cuts its chunks by `bucket_window_split`: "bucket" window, PyTorch path of
-        `windowed_attention` on tensors like x, and no attention dropout (whose draws follow the window's shape)."""
+        `chunked_attention` on tensors like x, and no attention dropout (whose draws follow the window's shape)."""
         split = self.bucket_window_split
-        if self.window != "bucket" or split <= 1 or self.chunk_length % split or self.dropout_rate > 0.0:
+        if self.attend_to != "bucket" or split <= 1 or self.chunk_length % split or self.dropout_rate > 0.0:
             return False
-        return self.window_backend == "torch" or (
-            self.window_backend == "auto" and resolve_backend("auto", x, "windowed_attention") == "torch")
+        return self.chunk_backend == "torch" or (
+            self.chunk_backend == "auto" and resolve_backend("auto", x, "chunked_attention") == "torch")
 
     def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False):
         """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
@@ -267,11 +267,11 @@ class LSHAttention(ChunkedAttention):
         def chunked(x):
             return x.reshape(batch * heads * rounds, chunks, m, *x.shape[4:])
 
-        groups = chunked(sorted_buckets) if self.window == "bucket" else None
+        groups = chunked(sorted_buckets) if self.attend_to == "bucket" else None
         round_locations, round_band = None, (0, 0)
         if self.duplicate_correction and rounds > 1:
             # Where every position sits in every round, read in each round's sorted order: [B, H, R, Lp, R'].
-            if self.window == "chunk":
+            if self.attend_to == "chunk":
                 locations, round_band = slots // m, (-before, after)
             else:
                 locations, round_band = buckets * (2 * padded) + slots, band
@@ -281,8 +281,8 @@ class LSHAttention(ChunkedAttention):
         mask = self.window_mask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
                                 after=after, causal=self.causal, self_penalty=True, groups=groups,
                                 group_band=band, round_locations=round_locations, round_band=round_band)
-        out, lse = windowed_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
-                                      save_probs, backend=self.window_backend)
+        out, lse = chunked_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
+                                      save_probs, backend=self.chunk_backend)
         # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (Appendix A).
         flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(
             batch, heads, rounds * padded)
@@ -420,7 +420,7 @@ class LSHAttention(ChunkedAttention):
         candidate = []  # per round: [B, H, L, L] "key j is in query i's window in round r"
         for r in range(buckets.shape[2]):
             s, b = slots[:, :, r], buckets[:, :, r]
-            if self.window == "chunk":
+            if self.attend_to == "chunk":
                 gap = s[..., None, :] // m - s[..., :, None] // m
                 candidate.append((gap >= -before) & (gap <= after))
             else:

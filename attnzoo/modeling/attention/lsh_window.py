@@ -10,7 +10,7 @@ used only when nothing else is. With positions counted in real tokens,
     far(i)  = {j : S <= pos_j <= pos_i - W, j a candidate of i in some hash round}
     out_i   = (Σ_{near} e^{s_ij} v_j + Σ_{far} e^{s_ij} v_j) / (Σ_{near} e^{s_ij} + Σ_{far} e^{s_ij}).
 
-The far part is LSH's multi-round bucket attention (candidates as the `lsh_window` setting "bucket"/"chunk" defines
+The far part is LSH's multi-round bucket attention (candidates as the `lsh_attend_to` setting "bucket"/"chunk" defines
 them, rounds combined through their log-sum-exps with the duplicate correction, Appendix A) with every key of near(i)
 removed, so a key in both the window and the query's bucket is counted once, in the window. It yields out_far and its
 log-sum-exp lse_far; the near part is an exact softmax with lse_near, and the two combine as
@@ -23,7 +23,7 @@ of the query's bucket: recall reaches back K bucket-mates (window keys among the
 
 The parallel form moves each row's real tokens to the front (so sequence index = real position; padding hashes to the
 extra bucket that sorts last, so no real token changes its sorted slot), runs LSH's chunked `lsh_attention` with a
-`FarKeyMask` (on the PyTorch path of `windowed_attention`: the fused kernels do not read that mask), and the blocked
+`FarKeyMask` (on the PyTorch path of `chunked_attention`: the fused kernels do not read that mask), and the blocked
 window scores of the "window" attention: O(L · (rounds · (chunks_before + 1) · chunk_length + 2W + S)) time and
 memory. `lsh_full_attention_threshold` is not read: the exact window is this layer's full attention for nearby keys.
 Causal decoders only. Decoding keeps LSH's own cache (every token's key, value and buckets, each bucket's K recent
@@ -56,20 +56,20 @@ from attnzoo.modeling.attention.window import (
     window_scores,
 )
 from attnzoo.modeling.cache import TokenBufferLayer
-from attnzoo.ops.windowed_attention import WindowMask, mask_values, pad_to_multiple
+from attnzoo.ops.chunked_attention import ChunkMask, mask_values, pad_to_multiple
 
 
 @dataclass
-class FarKeyMask(WindowMask):
-    """LSH's `WindowMask` minus every key of the query's exact window and sinks: a key at position p is allowed to
+class FarKeyMask(ChunkMask):
+    """LSH's `ChunkMask` minus every key of the query's exact window and sinks: a key at position p is allowed to
     the query at position i only when `sinks` <= p <= i - `window_size`. `positions` must count real tokens (rows
-    left-aligned). Only the PyTorch path of `windowed_attention` reads the extra condition (`disallowed`)."""
+    left-aligned). Only the PyTorch path of `chunked_attention` reads the extra condition (`disallowed`)."""
 
     window_size: int = 1
     sinks: int = 0
 
     def disallowed(self) -> torch.Tensor:
-        key_positions = self.window(self.positions, -1).unsqueeze(-2)  # [N, C, 1, W]; -1 past the ends
+        key_positions = self.neighbours(self.positions, -1).unsqueeze(-2)  # [N, C, 1, W]; -1 past the ends
         near = (key_positions > self.positions.unsqueeze(-1) - self.window_size) | (key_positions < self.sinks)
         return super().disallowed() | near
 
@@ -79,7 +79,7 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
     """Exact window and sinks plus LSH beyond them, one softmax normalisation; see the module docstring."""
 
     # FarKeyMask adds a condition that only the PyTorch path reads.
-    window_backend = "torch"
+    chunk_backend = "torch"
 
     plain_kind = "lsh"
 
@@ -193,7 +193,7 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
             buckets = self.hash_vectors(qk, rotations, factors, valid)
         slots = inverse_permutation(sort_by_bucket(buckets))  # [B, H, R, L]
         m, before = self.chunk_length, self.chunks_before
-        if self.window == "chunk":
+        if self.attend_to == "chunk":
             chunk_gap = slots[..., None, :] // m - slots[..., :, None] // m
             candidate = (chunk_gap >= -before) & (chunk_gap <= 0)
         else:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
 from attnzoo.modeling.cache import RecurrentStateLayer
-from attnzoo.ops.windowed_attention import mask_values, pad_to_multiple
+from attnzoo.ops.chunked_attention import mask_values, pad_to_multiple
 
 
 def left_align(valid: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ class WindowStateLayer(RecurrentStateLayer):
 
     def __init__(self, window: int, sinks: int):
         super().__init__()
-        self.window, self.sinks = window, sinks
+        self.window_size, self.sinks = window, sinks
 
     def start(self, k, v, n_real) -> None:
         """The state after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
@@ -121,7 +121,8 @@ class WindowStateLayer(RecurrentStateLayer):
         device = k.device
         sink_index = torch.arange(self.sinks, device=device)
         sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
-        window_index = n_real[:, None] - self.window + torch.arange(self.window, device=device)[None]  # [B, W]
+        # [B, W]: the last W real positions
+        window_index = n_real[:, None] - self.window_size + torch.arange(self.window_size, device=device)[None]
         window_take = window_index.clamp(0, max(length - 1, 0))
 
         def take(x, index):
@@ -156,7 +157,7 @@ class WindowStateLayer(RecurrentStateLayer):
         state = self.state
         device = position.device
         sink_allowed = state["sink_valid"] & (torch.arange(self.sinks, device=device)[None]
-                                              <= (position - self.window)[:, None])
+                                              <= (position - self.window_size)[:, None])
         allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
         allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
         return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
@@ -185,13 +186,13 @@ class SlidingWindowAttention(ZooAttention):
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
         self.build_projections()
-        self.window = config.window_size
+        self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
         self.dropout = config.attention_probs_dropout_prob
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def new_cache_layer(self):
-        return WindowStateLayer(self.window, self.sinks)
+        return WindowStateLayer(self.window_size, self.sinks)
 
     def _project(self, hidden_states, position_ids, past):
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -218,7 +219,7 @@ class SlidingWindowAttention(ZooAttention):
         n_real = valid.sum(-1)
         if layer is not None:
             layer.start(k, v, n_real)
-        scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window, self.sinks,
+        scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window_size, self.sinks,
                                        self.causal, self.scale)
         probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
         out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, -1, dim)[:, :, :length]
@@ -248,7 +249,7 @@ class SlidingWindowAttention(ZooAttention):
         k, v = self.expand_kv(k), self.expand_kv(v)
         pos = valid.long().cumsum(-1) - 1  # [B, L]
         gap = pos[:, :, None] - pos[:, None, :]
-        near = ((gap >= 0) & (gap < self.window)) if self.causal else gap.abs() < self.window
+        near = ((gap >= 0) & (gap < self.window_size)) if self.causal else gap.abs() < self.window_size
         sink = (pos[:, None, :] < self.sinks) & ((gap >= 0) if self.causal else True)
         allowed = (near | sink) & valid[:, None, :]
         allowed = allowed | torch.eye(length, dtype=torch.bool, device=q.device)[None] & ~valid[:, :, None]

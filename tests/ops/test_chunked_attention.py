@@ -1,5 +1,5 @@
 """Windowed chunk attention: the Triton kernels (interpreter on CPU) and FlexAttention against the PyTorch path
-`torch_window.windowed_attention`, on the exact WindowMasks that LocalAttention and LSHAttention build (captured from
+`torch_chunks.chunked_attention`, on the exact ChunkMasks that LocalAttention and LSHAttention build (captured from
 their forward), plus a hand-made mask with rows that have no allowed key."""
 
 import dataclasses
@@ -13,17 +13,17 @@ import attnzoo.modeling.attention.lsh as lsh_module
 from attnzoo import ZooReformerConfig
 from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
-from attnzoo.ops.windowed_attention import windowed_attention
-from attnzoo.ops.windowed_attention.naive import naive_windowed_attention
-from attnzoo.ops.windowed_attention.torch_window import WindowMask
-from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
+from attnzoo.ops.chunked_attention import chunked_attention
+from attnzoo.ops.chunked_attention.naive import naive_chunked_attention
+from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask
+from attnzoo.ops.chunked_attention.torch_chunks import chunked_attention as torch_chunked_attention
 from tests.ops.triton_helpers import DEVICE, needs_triton
 
 HIDDEN = 16
 
 
 def captured_call(module, attention_cls, monkeypatch, batch, length, key_mask=None, seed=0, **overrides):
-    """(q, k, v, mask, scale) of the `windowed_attention` call inside a tiny attention layer's forward."""
+    """(q, k, v, mask, scale) of the `chunked_attention` call inside a tiny attention layer's forward."""
     values = dict(hidden_size=HIDDEN, num_attention_heads=2, lsh_chunk_length=4, lsh_full_attention_threshold=0,
                   lsh_num_buckets=4, lsh_hash_seed=seed, local_chunk_length=4, hidden_dropout_prob=0.0)
     values.update(overrides)
@@ -35,9 +35,9 @@ def captured_call(module, attention_cls, monkeypatch, batch, length, key_mask=No
     def capture(q, k, v, mask, scale=1.0, dropout_p=0.0, save_probs=False, backend="auto"):
         assert backend == "auto"  # the plain layers let the dispatcher pick the kernel
         calls.append((q.detach(), k.detach(), v.detach(), mask, scale))
-        return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
+        return torch_chunked_attention(q, k, v, mask, scale, dropout_p, save_probs)
 
-    monkeypatch.setattr(module, "windowed_attention", capture)
+    monkeypatch.setattr(module, "chunked_attention", capture)
     with torch.no_grad():
         attn(torch.randn(batch, length, HIDDEN), attention_mask=key_mask)
     assert len(calls) == 1
@@ -59,7 +59,7 @@ def local_case(monkeypatch, causal):
 
 def lsh_case(monkeypatch, causal, window):
     return captured_call(lsh_module, LSHAttention, monkeypatch, 1, 14, padding(1, 14), causal=causal,
-                         lsh_num_hashes=2, lsh_window=window, lsh_num_chunks_after=1, seed=3)
+                         lsh_num_hashes=2, lsh_attend_to=window, lsh_num_chunks_after=1, seed=3)
 
 
 def no_key_rows_case():
@@ -71,7 +71,7 @@ def no_key_rows_case():
     valid = torch.rand(rows, chunks, m, generator=generator) > 0.2
     valid[0, 0] = False
     positions = torch.arange(chunks * m).view(1, chunks, m).expand(rows, -1, -1)
-    mask = WindowMask(positions, valid, before=1, after=1, causal=True)
+    mask = ChunkMask(positions, valid, before=1, after=1, causal=True)
     return q, k, v, mask, 0.5
 
 
@@ -105,12 +105,12 @@ def test_the_captured_masks_are_the_interesting_ones(monkeypatch):
         assert mask.self_penalty and mask.round_locations.shape[-1] == 2 and not mask.valid.all()
         without_rounds = dataclasses.replace(mask, round_locations=None)
         assert (mask.disallowed() & ~without_rounds.disallowed()).any()
-        assert (torch_windowed_attention(q, k, v, mask, scale)[1] == -1e5).any()
+        assert (torch_chunked_attention(q, k, v, mask, scale)[1] == -1e5).any()
     assert CASES["lsh-bucket-causal"](monkeypatch)[3].groups is not None
     _, _, _, mask, _ = CASES["local-bidirectional"](monkeypatch)
     assert (mask.before, mask.after) == (1, 1) and not mask.causal and not mask.valid.all()
     q, k, v, mask, scale = no_key_rows_case()
-    _, lse = torch_windowed_attention(q, k, v, mask, scale)
+    _, lse = torch_chunked_attention(q, k, v, mask, scale)
     assert (lse[0, 0] == -1e9).all()
 
 
@@ -119,8 +119,8 @@ def test_naive_reference_matches_the_pytorch_path(case, monkeypatch):
     q, k, v, mask, scale = CASES[case](monkeypatch)
     q, k, v = q.double(), k.double(), v.double()
     weights = random_weights(q)
-    got = run(lambda q, k, v: naive_windowed_attention(q, k, v, mask, scale), q, k, v, *weights)
-    expected = run(lambda q, k, v: torch_windowed_attention(q, k, v, mask, scale), q, k, v, *weights)
+    got = run(lambda q, k, v: naive_chunked_attention(q, k, v, mask, scale), q, k, v, *weights)
+    expected = run(lambda q, k, v: torch_chunked_attention(q, k, v, mask, scale), q, k, v, *weights)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -130,11 +130,11 @@ def test_naive_reference_matches_the_pytorch_path(case, monkeypatch):
 def test_triton_matches_the_pytorch_path_in_values_lse_and_gradients(case, monkeypatch):
     q, k, v, mask, scale = CASES[case](monkeypatch)
     weights = random_weights(q)
-    device_mask = WindowMask(**{name: value.to(DEVICE) if torch.is_tensor(value) else value
+    device_mask = ChunkMask(**{name: value.to(DEVICE) if torch.is_tensor(value) else value
                                 for name, value in vars(mask).items()})
-    got = run(lambda q, k, v: windowed_attention(q, k, v, device_mask, scale, backend="triton"),
+    got = run(lambda q, k, v: chunked_attention(q, k, v, device_mask, scale, backend="triton"),
               *(x.to(DEVICE) for x in (q, k, v)), *(w.to(DEVICE) for w in weights))
-    expected = run(lambda q, k, v: torch_windowed_attention(q, k, v, mask, scale), q, k, v, *weights)
+    expected = run(lambda q, k, v: torch_chunked_attention(q, k, v, mask, scale), q, k, v, *weights)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=2e-5, msg=name)
@@ -145,18 +145,18 @@ def test_flex_forward_matches_the_pytorch_path(case, monkeypatch):
     q, k, v, mask, scale = CASES[case](monkeypatch)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention on the CPU warns that it is unfused
-        out, lse = windowed_attention(q, k, v, mask, scale, backend="flex")
-        ref_out, ref_lse = torch_windowed_attention(q, k, v, mask, scale)
+        out, lse = chunked_attention(q, k, v, mask, scale, backend="flex")
+        ref_out, ref_lse = torch_chunked_attention(q, k, v, mask, scale)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_flex_block_mask_lists_exactly_the_window_blocks():
-    from attnzoo.ops.windowed_attention.flex import window_block_mask
+    from attnzoo.ops.chunked_attention.flex import chunk_block_mask
 
     positions = torch.zeros(1, 10, 16, dtype=torch.long)
-    mask = WindowMask(positions, torch.ones(1, 10, 16, dtype=torch.bool), before=2, after=1)
-    block_mask = window_block_mask(mask, 1, 10, 16, None, "cpu", block_size=32)  # 2 chunks per block
+    mask = ChunkMask(positions, torch.ones(1, 10, 16, dtype=torch.bool), before=2, after=1)
+    block_mask = chunk_block_mask(mask, 1, 10, 16, None, "cpu", block_size=32)  # 2 chunks per block
     dense = block_mask.to_dense()[0, 0]  # [query blocks, key blocks]
     chunk = torch.arange(10)
     for q_block in range(5):
@@ -167,26 +167,26 @@ def test_flex_block_mask_lists_exactly_the_window_blocks():
 def test_flex_refuses_gradients_on_the_cpu(monkeypatch):
     q, k, v, mask, scale = no_key_rows_case()
     with pytest.raises(ValueError, match="no backward on the CPU"):
-        windowed_attention(q.requires_grad_(), k, v, mask, scale, backend="flex")
+        chunked_attention(q.requires_grad_(), k, v, mask, scale, backend="flex")
 
 
 def test_dropout_runs_the_pytorch_path(monkeypatch):
     q, k, v, mask, scale = CASES["local-causal"](monkeypatch)
     torch.manual_seed(5)
-    out, lse = windowed_attention(q, k, v, mask, scale, dropout_p=0.3, backend="triton")
+    out, lse = chunked_attention(q, k, v, mask, scale, dropout_p=0.3, backend="triton")
     torch.manual_seed(5)
-    ref_out, ref_lse = torch_windowed_attention(q, k, v, mask, scale, dropout_p=0.3)
+    ref_out, ref_lse = torch_chunked_attention(q, k, v, mask, scale, dropout_p=0.3)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 def test_bad_inputs_say_what_to_change():
     q, k, v, mask, scale = no_key_rows_case()
     with pytest.raises(ValueError, match="backend"):
-        windowed_attention(q, k, v, mask, backend="cuda")
+        chunked_attention(q, k, v, mask, backend="cuda")
     with pytest.raises(ValueError, match="must all be"):
-        windowed_attention(q, k[:, :2], v, mask)
+        chunked_attention(q, k[:, :2], v, mask)
     with pytest.raises(ValueError, match=r"positions and valid must be"):
-        windowed_attention(q[:1], k[:1], v[:1], mask)
+        chunked_attention(q[:1], k[:1], v[:1], mask)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "flex", "naive"])
@@ -204,13 +204,13 @@ def test_a_row_with_nan_inputs_leaves_every_other_row_unchanged(case, backend, m
 
     def call(q, k, v):
         if backend == "naive":
-            return naive_windowed_attention(q, k, v, mask, scale)[0]
-        device_mask = WindowMask(**{name: value.to(DEVICE) if torch.is_tensor(value) else value
+            return naive_chunked_attention(q, k, v, mask, scale)[0]
+        device_mask = ChunkMask(**{name: value.to(DEVICE) if torch.is_tensor(value) else value
                                     for name, value in vars(mask).items()}) if backend == "triton" else mask
         device = DEVICE if backend == "triton" else "cpu"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager FlexAttention on the CPU warns that it is unfused
-            out, _ = windowed_attention(*(x.to(device) for x in (q, k, v)), device_mask, scale, backend=backend)
+            out, _ = chunked_attention(*(x.to(device) for x in (q, k, v)), device_mask, scale, backend=backend)
         return out.cpu()
 
     with torch.no_grad():

@@ -3,14 +3,14 @@
 Each row of C chunks of m positions becomes one sequence of L = C·m positions (a batch entry, one head). The window
 structure is the block mask, built directly from the chunk geometry (no [L, L] mask is evaluated): query block b
 gets the key blocks that hold chunks first_chunk(b) - before .. last_chunk(b) + after. Which keys inside those
-blocks a query may use is the `mask_mod`, which reads the `WindowMask` metadata at the two flat indices: the
-window-slot offset of `WindowMask.groups` is simply kv_idx - q_idx in this layout, and the duplicate-correction
+blocks a query may use is the `mask_mod`, which reads the `ChunkMask` metadata at the two flat indices: the
+window-slot offset of `ChunkMask.groups` is simply kv_idx - q_idx in this layout, and the duplicate-correction
 rule loops over the earlier rounds (row b is round b mod R).
 
 What the mask cannot say: a query's own key under `self_penalty` is not masked but scored with a finite constant,
 so the mask_mod allows it and a `score_mod` replaces its score by the self value (score_mod sees the scaled score).
 FlexAttention returns -inf as the log-sum-exp of a row with no allowed key; it is replaced by the masked floor, as
-`torch_window.windowed_attention` returns it. The gradient of a row left with only its own key differs in one respect:
+`torch_chunks.chunked_attention` returns it. The gradient of a row left with only its own key differs in one respect:
 the self score is a constant here too, so it passes no gradient to q or k, exactly as in the PyTorch path.
 
 FlexAttention runs its backward on CUDA only (compiled there with torch.compile); on the CPU this runs the forward
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values
+from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask, mask_values
 
 #: FlexAttention's sparse block size (its default): both the query and the key blocks of the block mask.
 FLEX_BLOCK_SIZE = 128
@@ -41,7 +41,7 @@ def _flex_function(device: torch.device):
     return _compiled_flex
 
 
-def window_block_mask(mask: WindowMask, rows: int, chunks: int, m: int, mask_mod, device, block_size: int):
+def chunk_block_mask(mask: ChunkMask, rows: int, chunks: int, m: int, mask_mod, device, block_size: int):
     """A BlockMask whose query block b lists the key blocks covering chunks first(b) - before .. last(b) + after."""
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -63,7 +63,7 @@ def window_block_mask(mask: WindowMask, rows: int, chunks: int, m: int, mask_mod
                                     BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(length, length))
 
 
-def _mask_functions(mask: WindowMask, rows: int, chunks: int, m: int, dtype: torch.dtype):
+def _mask_functions(mask: ChunkMask, rows: int, chunks: int, m: int, dtype: torch.dtype):
     """(mask_mod, score_mod) reading the mask's metadata as [N, L] (and [N, L, R]) tensors."""
     length = chunks * m
     valid = mask.valid.reshape(rows, length)
@@ -98,9 +98,9 @@ def _mask_functions(mask: WindowMask, rows: int, chunks: int, m: int, dtype: tor
     return mask_mod, score_mod if self_penalty else None
 
 
-def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask,
+def flex_chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ChunkMask,
                             scale: float = 1.0, block_size: int = FLEX_BLOCK_SIZE):
-    """(out [N, C, m, d], lse [N, C, m]) as `torch_window.windowed_attention` (no dropout); see the module docstring."""
+    """(out [N, C, m, d], lse [N, C, m]) as `torch_chunks.chunked_attention` (no dropout); see the module docstring."""
     if not q.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise ValueError("FlexAttention has no backward on the CPU: run on CUDA, call under torch.no_grad() for "
                          "the forward only, or use backend='torch' (or 'triton') for gradients.")
@@ -111,7 +111,7 @@ def flex_windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     rows, chunks, m, d = q.shape
     length = chunks * m
     mask_mod, score_mod = _mask_functions(mask, rows, chunks, m, q.dtype)
-    block_mask = window_block_mask(mask, rows, chunks, m, mask_mod, q.device, block_size)
+    block_mask = chunk_block_mask(mask, rows, chunks, m, mask_mod, q.device, block_size)
     flex = _flex_function(q.device)
     out, aux = flex(*(x.reshape(rows, 1, length, d) for x in (q, k, v)), score_mod=score_mod,
                     block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))

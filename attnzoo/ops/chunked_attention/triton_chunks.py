@@ -1,27 +1,27 @@
 """Windowed chunk attention as flash-attention-style Triton kernels (CUDA; verified on the CPU with Triton's
-interpreter). Same contract as `torch_window.windowed_attention` without dropout: q, k, v [N, C, m, d] and a
-`WindowMask` -> (out [N, C, m, d], lse [N, C, m]), differentiable in q, k, v through both outputs.
+interpreter). Same contract as `torch_chunks.chunked_attention` without dropout: q, k, v [N, C, m, d] and a
+`ChunkMask` -> (out [N, C, m, d], lse [N, C, m]), differentiable in q, k, v through both outputs.
 
 The dense [m, W] masks are never built: every kernel recomputes a tile's mask in registers from the per-position
-integers of the `WindowMask` (read with their own strides, so broadcast metadata is not copied):
+integers of the `ChunkMask` (read with their own strides, so broadcast metadata is not copied):
     allowed = valid[key] and (groups: same group, window-slot offset in group_band) and (causal: pos[key] <= pos[q])
               and (rounds: for each earlier round e < n mod R, not lo <= loc_e[key] - loc_e[q] <= hi);
     score   = scale q·k if allowed else -inf, and the self value for a query's own key (self_penalty).
 Key chunks beyond the row's ends are skipped (they are always masked). The row maximum starts at the masked floor,
-so a row with no allowed key gets probabilities 0 and lse = floor, as in `torch_window._softmax_`.
+so a row with no allowed key gets probabilities 0 and lse = floor, as in `torch_chunks._softmax_`.
 
 Kernels (grids put the N rows last, then the C chunks, then blocks of BM queries or BN keys of a chunk):
-  _window_forward   one program per (query block, chunk, row): loops over the before + 1 + after key chunks of its
+  _chunk_forward   one program per (query block, chunk, row): loops over the before + 1 + after key chunks of its
                     window with an online softmax; writes out (inputs' dtype) and lse (float32).
-  _window_dq        one program per query block: recomputes P = exp(S - lse), dP = dO vᵀ and
+  _chunk_dq        one program per query block: recomputes P = exp(S - lse), dP = dO vᵀ and
                     dS = P ⊙ (dP - rowsum(dO ⊙ O) + dlse) (the log-sum-exp's own gradient enters here) and sums dS k.
-  _window_dkdv      key-centric, one program per (key block, chunk, row): a key chunk is in the windows of the query
+  _chunk_dkdv      key-centric, one program per (key block, chunk, row): a key chunk is in the windows of the query
                     chunks c_key - after .. c_key + before, and this program loops over exactly those, summing
                     dv = Pᵀ dO and dk = dSᵀ q in registers. Every dk/dv row has one owner, so no atomics and the
                     result is deterministic; the price is computing the scores twice in the backward (once per
                     kernel), as flash attention's separate-dq variant does.
 dS is zeroed at a query's own key (its score is a constant) and in rows whose lse is at or below half the self value
-(only the own key, or nothing, was allowed), as `torch_window.WindowedAttention.backward` does.
+(only the own key, or nothing, was allowed), as `torch_chunks.ChunkedAttentionFunction.backward` does.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ try:  # optional: callers import this module only where Triton can run (inside `
 except ImportError as err:
     raise ImportError("the fused kernels need Triton (pip install triton); the PyTorch path needs nothing") from err
 
+from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask, mask_values
 from attnzoo.ops.triton_utils import dot_precision, feature_block
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _masked_scores(scores, n, c, c_key, i, j, m, rounds,
 
 
 @triton.jit
-def _window_forward(q, k, v, out, lse, C, m, D, rounds, scale, floor, self_value, group_lo, group_hi, round_lo,
+def _chunk_forward(q, k, v, out, lse, C, m, D, rounds, scale, floor, self_value, group_lo, group_hi, round_lo,
                     round_hi, positions, p_sn, p_sc, p_si, valid, v_sn, v_sc, v_si, groups, g_sn, g_sc, g_si,
                     locations, l_sn, l_sc, l_si, l_sr,
                     BEFORE: tl.constexpr, AFTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -137,7 +137,7 @@ def _score_gradients(queries, keys, values, grad_out, row_lse, row_delta, n, c, 
 
 
 @triton.jit
-def _window_dq(q, k, v, grad_out, lse, delta, grad_q, C, m, D, rounds, scale, self_value, group_lo, group_hi,
+def _chunk_dq(q, k, v, grad_out, lse, delta, grad_q, C, m, D, rounds, scale, self_value, group_lo, group_hi,
                round_lo, round_hi, positions, p_sn, p_sc, p_si, valid, v_sn, v_sc, v_si, groups, g_sn, g_sc, g_si,
                locations, l_sn, l_sc, l_si, l_sr,
                BEFORE: tl.constexpr, AFTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -173,7 +173,7 @@ def _window_dq(q, k, v, grad_out, lse, delta, grad_q, C, m, D, rounds, scale, se
 
 
 @triton.jit
-def _window_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, C, m, D, rounds, scale, self_value, group_lo,
+def _chunk_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, C, m, D, rounds, scale, self_value, group_lo,
                  group_hi, round_lo, round_hi, positions, p_sn, p_sc, p_si, valid, v_sn, v_sc, v_si, groups, g_sn,
                  g_sc, g_si, locations, l_sn, l_sc, l_si, l_sr,
                  BEFORE: tl.constexpr, AFTER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
@@ -212,7 +212,7 @@ def _window_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, C, m, D, rounds,
     tl.store(grad_v + (key_base + j)[:, None] * D + rd[None, :], acc_v, mask=tile_k)
 
 
-def _metadata(mask: WindowMask) -> tuple[list, dict]:
+def _metadata(mask: ChunkMask) -> tuple[list, dict]:
     """The mask's per-position tensors with their strides (no copies of broadcast metadata), and its flags."""
     positions = mask.positions
     valid = mask.valid.view(torch.uint8) if mask.valid.dtype == torch.bool else mask.valid
@@ -232,11 +232,11 @@ def _tiles(m: int, d: int) -> dict:
     return dict(BM=feature_block(m), BN=feature_block(m), BD=feature_block(d, largest=256))
 
 
-class TritonWindowedAttention(torch.autograd.Function):
+class TritonChunkedAttention(torch.autograd.Function):
     """(q, k, v [N, C, m, d], mask, scale) -> (out [N, C, m, d], lse [N, C, m]), both in q's dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: WindowMask, scale: float):
+    def forward(ctx, q, k, v, mask: ChunkMask, scale: float):
         rows, chunks, m, d = q.shape
         q, k, v = (x.contiguous() for x in (q, k, v))
         floor, self_value = mask_values(q.dtype)
@@ -245,7 +245,7 @@ class TritonWindowedAttention(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         rounds, *rest = metadata
-        _window_forward[(triton.cdiv(m, tiles["BM"]), chunks, rows)](
+        _chunk_forward[(triton.cdiv(m, tiles["BM"]), chunks, rows)](
             q, k, v, out, lse, chunks, m, d, rounds, scale, floor, self_value, *rest, **flags, **tiles,
             PRECISION=dot_precision(q.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
@@ -270,10 +270,10 @@ class TritonWindowedAttention(torch.autograd.Function):
         grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         grad_k = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         grad_v = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _window_dq[(triton.cdiv(m, tiles["BM"]), chunks, rows)](
+        _chunk_dq[(triton.cdiv(m, tiles["BM"]), chunks, rows)](
             q, k, v, grad_out, lse, delta.contiguous(), grad_q, chunks, m, d, rounds, scale, self_value, *rest,
             **common)
-        _window_dkdv[(triton.cdiv(m, tiles["BN"]), chunks, rows)](
+        _chunk_dkdv[(triton.cdiv(m, tiles["BN"]), chunks, rows)](
             q, k, v, grad_out, lse, delta.contiguous(), grad_k, grad_v, chunks, m, d, rounds, scale, self_value,
             *rest, **common)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None

@@ -1,11 +1,11 @@
 """Windowed chunk attention, the core of Reformer's LSH and local attention, with fused backends.
 
 q, k, v [N, C, m, d] (C chunks of m queries per row), each chunk attending to its own chunk, `before` chunks back and
-`after` ahead, with the keys a query may use described by a `WindowMask`; returns (out [N, C, m, d], lse [N, C, m])
+`after` ahead, with the keys a query may use described by a `ChunkMask`; returns (out [N, C, m, d], lse [N, C, m])
 with gradients through both.
 
-Backends: "torch" (`torch_window`: the PyTorch path, the CPU path and the reference of the others), "triton"
-(`triton_window`: fused flash-style kernels), "flex" (`flex`: PyTorch's FlexAttention with a block mask; backward on
+Backends: "torch" (`torch_chunks`: the PyTorch path, the CPU path and the reference of the others), "triton"
+(`triton_chunks`: fused flash-style kernels), "flex" (`flex`: PyTorch's FlexAttention with a block mask; backward on
 CUDA only). `naive` holds a dense reference written for autograd.
 """
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import torch
 
+from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask, mask_values, pad_to_multiple
+from attnzoo.ops.chunked_attention.torch_chunks import chunked_attention as torch_chunked_attention
 from attnzoo.ops.triton_utils import resolve_backend
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, mask_values, pad_to_multiple
-from attnzoo.ops.windowed_attention.torch_window import windowed_attention as torch_windowed_attention
 
 # The mask description and the two helpers callers build it with are part of the op's interface.
-__all__ = ["WindowMask", "mask_values", "pad_to_multiple", "windowed_attention"]
+__all__ = ["ChunkMask", "mask_values", "pad_to_multiple", "chunked_attention"]
 
-WINDOW_BACKENDS = ("auto", "torch", "triton", "flex")
+CHUNK_BACKENDS = ("auto", "torch", "triton", "flex")
 
 
-def _check_inputs(q, k, v, mask: WindowMask) -> None:
+def _check_inputs(q, k, v, mask: ChunkMask) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k and v must all be [N, C, m, d]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}.")
@@ -35,7 +35,7 @@ def _check_inputs(q, k, v, mask: WindowMask) -> None:
                          f"{q.shape[0]} rows: pass whole groups of rows, one row per round with the round innermost.")
 
 
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: WindowMask, scale: float = 1.0,
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ChunkMask, scale: float = 1.0,
                        dropout_p: float = 0.0, save_probs: bool = False, backend: str = "auto"):
     """Chunked attention over each chunk's window -> (out [N, C, m, d], lse [N, C, m]), both in q's dtype.
 
@@ -44,23 +44,23 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask itself. `save_probs`
     (PyTorch path) keeps the probabilities for the backward instead of recomputing them.
     """
-    if backend not in WINDOW_BACKENDS:
-        raise ValueError(f"backend={backend!r}: use one of {WINDOW_BACKENDS}.")
+    if backend not in CHUNK_BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {CHUNK_BACKENDS}.")
     _check_inputs(q, k, v, mask)
     if torch.compiler.is_compiling() and not q.is_cuda:
         # The hand-written backward (an autograd.Function) does not trace with dynamic shapes inside a checkpointed
         # reversible block; the plain-ops form does, and the compiler fuses it.
-        from attnzoo.ops.windowed_attention.naive import naive_windowed_attention
+        from attnzoo.ops.chunked_attention.naive import naive_chunked_attention
 
-        return naive_windowed_attention(q, k, v, mask, scale, dropout_p)
+        return naive_chunked_attention(q, k, v, mask, scale, dropout_p)
     if dropout_p > 0.0:
-        return torch_windowed_attention(q, k, v, mask, scale, dropout_p, save_probs)
+        return torch_chunked_attention(q, k, v, mask, scale, dropout_p, save_probs)
     if backend == "flex":
-        from attnzoo.ops.windowed_attention.flex import flex_windowed_attention
+        from attnzoo.ops.chunked_attention.flex import flex_chunked_attention
 
-        return flex_windowed_attention(q, k, v, mask, scale)
-    if resolve_backend(backend, q, "windowed_attention") == "torch":
-        return torch_windowed_attention(q, k, v, mask, scale, 0.0, save_probs)
-    from attnzoo.ops.windowed_attention.triton_window import TritonWindowedAttention
+        return flex_chunked_attention(q, k, v, mask, scale)
+    if resolve_backend(backend, q, "chunked_attention") == "torch":
+        return torch_chunked_attention(q, k, v, mask, scale, 0.0, save_probs)
+    from attnzoo.ops.chunked_attention.triton_chunks import TritonChunkedAttention
 
-    return TritonWindowedAttention.apply(q, k, v, mask, scale)
+    return TritonChunkedAttention.apply(q, k, v, mask, scale)

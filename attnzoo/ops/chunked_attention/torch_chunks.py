@@ -3,9 +3,9 @@
 Queries come in chunks of `m` consecutive positions of some order (the hash-sorted order for LSH, the sequence
 for local attention); each chunk attends to the keys of its own chunk, of `before` chunks before it and of `after`
 chunks after it (Reformer, arXiv 2001.04451, §2 and Figure 2d). Which of those keys a query may really use is described
-by a `WindowMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
+by a `ChunkMask` of small per-position integer tensors, from which the dense [m, window] masks are built on demand.
 
-`windowed_attention` (through the autograd Function `WindowedAttention`) returns the output and the log-sum-exp of
+`chunked_attention` (through the autograd Function `ChunkedAttentionFunction`) returns the output and the log-sum-exp of
 every query, with the gradients of both (LSH combines hash rounds through the log-sum-exp, Reformer Appendix A).
 Its backward either recomputes the scores (the [chunks, m, window] tensors then exist only transiently, as in flash
 attention) or, with `save_probs`, keeps the probabilities: the reversible stack recomputes a layer and
@@ -35,7 +35,7 @@ def mask_values(dtype: torch.dtype) -> tuple[float, float]:
     return MASK_VALUES.get(dtype, DEFAULT_MASK_VALUES)
 
 
-def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0) -> torch.Tensor:
+def neighbour_chunks(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0) -> torch.Tensor:
     """[..., C, m, *rest] chunks (`rest_dims` trailing feature dims) -> [..., C, (before + 1 + after) * m, *rest]:
     each chunk's neighbourhood, from `before` chunks back to `after` ahead, with `fill` beyond the ends (no
     wrap-around). Used for the per-position mask inputs; keys and values use `_flat_windows` views."""
@@ -62,7 +62,7 @@ def windows(x: torch.Tensor, before: int, after: int, fill=0, rest_dims: int = 0
 
 
 @dataclass
-class WindowMask:
+class ChunkMask:
     """Which window keys each query may attend to, from per-position tensors in chunk layout.
 
     Shapes use N (flattened batch dims), C chunks of m queries, and W = (before + 1 + after) * m window keys.
@@ -93,8 +93,8 @@ class WindowMask:
     round_locations: torch.Tensor | None = None
     round_band: tuple[int, int] = (0, 0)
 
-    def window(self, x: torch.Tensor, fill, rest_dims: int = 0) -> torch.Tensor:
-        return windows(x, self.before, self.after, fill, rest_dims)
+    def neighbours(self, x: torch.Tensor, fill, rest_dims: int = 0) -> torch.Tensor:
+        return neighbour_chunks(x, self.before, self.after, fill, rest_dims)
 
     @property
     def chunk_length(self) -> int:
@@ -109,14 +109,14 @@ class WindowMask:
     def disallowed(self) -> torch.Tensor:
         """[N, C, m, W] bool: True where the key must not be attended."""
         full = (*self.positions.shape, (self.before + 1 + self.after) * self.chunk_length)
-        blocked = ~self.window(self.valid, False).unsqueeze(-2)  # [N, C, 1, W]
+        blocked = ~self.neighbours(self.valid, False).unsqueeze(-2)  # [N, C, 1, W]
         if self.groups is not None:
             lo, hi = self.group_band
             offsets = self.slot_offsets(self.groups.device)
             blocked = blocked | ((offsets < lo) | (offsets > hi))
-            blocked = blocked | (self.window(self.groups, -1).unsqueeze(-2) != self.groups.unsqueeze(-1))
+            blocked = blocked | (self.neighbours(self.groups, -1).unsqueeze(-2) != self.groups.unsqueeze(-1))
         if self.causal:
-            blocked = blocked | (self.window(self.positions, 0).unsqueeze(-2) > self.positions.unsqueeze(-1))
+            blocked = blocked | (self.neighbours(self.positions, 0).unsqueeze(-2) > self.positions.unsqueeze(-1))
         if self.round_locations is not None and self.round_locations.shape[-1] > 1:
             blocked = self._with_earlier_candidates(blocked.expand(full))
         return blocked.expand(full)
@@ -131,7 +131,7 @@ class WindowMask:
         lo, hi = self.round_band
         per_round = blocked.view(-1, rounds, *blocked.shape[1:])  # [G, R, C, m, W]
         query_locations = self.round_locations.view(-1, rounds, *self.round_locations.shape[1:])  # [G, R, C, m, R']
-        key_locations = self.window(self.round_locations, 0, rest_dims=1)
+        key_locations = self.neighbours(self.round_locations, 0, rest_dims=1)
         key_locations = key_locations.view(-1, rounds, *key_locations.shape[1:])  # [G, R, C, W, R']
         # The rows of round r against every earlier round e: [.., m, W] comparisons, the largest tensors here.
         rows = [per_round[:, 0]]
@@ -195,7 +195,7 @@ def _flat_windows(padded: torch.Tensor, num_chunks: int, blocks: int) -> torch.T
     return padded.as_strided((num_chunks, blocks * m, d), (m * d, d, 1))  # from the tensor's own offset
 
 
-def _masked_scores(q, k_windows, mask: WindowMask, scale: float) -> torch.Tensor:
+def _masked_scores(q, k_windows, mask: ChunkMask, scale: float) -> torch.Tensor:
     """[N, C, m, W] masked scores of q [N * C, m, d] against window keys [N * C, W, d]."""
     scores = torch.bmm(q, k_windows.transpose(1, 2))
     if scale != 1.0:
@@ -222,7 +222,7 @@ def _softmax_(scores: torch.Tensor):
     return probs, top.clamp_(min=floor).sub_(largest.log_())
 
 
-class WindowedAttention(torch.autograd.Function):
+class ChunkedAttentionFunction(torch.autograd.Function):
     """(q [N, C, m, d], k [N, C, m, d], v [N, C, m, d], mask, scale, dropout_p, save_probs)
     -> (out [N, C, m, d], lse [N, C, m]).
 
@@ -230,7 +230,7 @@ class WindowedAttention(torch.autograd.Function):
     each window block's gradient straight into its chunk (baddbmm into a shifted view): no [.., W, d] copies."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask: WindowMask, scale: float, dropout_p: float, save_probs: bool):
+    def forward(ctx, q, k, v, mask: ChunkMask, scale: float, dropout_p: float, save_probs: bool):
         shape = q.shape
         before, after = mask.before, mask.after
         num_chunks, blocks = shape[0] * shape[1], before + 1 + after
@@ -315,10 +315,10 @@ def _fold(weights: torch.Tensor, x: torch.Tensor, padded_like: torch.Tensor, bef
     return total
 
 
-def windowed_attention(q, k, v, mask: WindowMask, scale: float = 1.0, dropout_p: float = 0.0,
+def chunked_attention(q, k, v, mask: ChunkMask, scale: float = 1.0, dropout_p: float = 0.0,
                        save_probs: bool = False):
     """Chunked attention over each chunk's window; returns (out [N, C, m, d], lse [N, C, m])."""
-    return WindowedAttention.apply(q, k, v, mask, scale, dropout_p, save_probs)
+    return ChunkedAttentionFunction.apply(q, k, v, mask, scale, dropout_p, save_probs)
 
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int, value=0) -> torch.Tensor:

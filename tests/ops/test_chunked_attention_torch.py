@@ -1,35 +1,35 @@
 """The PyTorch windowed chunk-attention kernel that LSH and local attention share
-(`ops/windowed_attention/torch_window.py`): its backward against autograd of the same math, and the
+(`ops/chunked_attention/torch_chunks.py`): its backward against autograd of the same math, and the
 duplicate-correction mask against a dense construction."""
 
 import pytest
 import torch
 
-from attnzoo.ops.windowed_attention.torch_window import WindowMask, windowed_attention, windows
+from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask, chunked_attention, neighbour_chunks
 
 
 @pytest.mark.parametrize("save_probs", [False, True])
-def test_windowed_attention_backward_equals_autograd_of_the_same_math(save_probs):
+def test_chunked_attention_backward_equals_autograd_of_the_same_math(save_probs):
     torch.manual_seed(0)
     n, chunks, m, d = 6, 3, 4, 5  # 2 groups of 3 hash rounds
     q, k, v = (torch.randn(n, chunks, m, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     positions = torch.arange(chunks * m).view(1, chunks, m).expand(n, -1, -1)
     valid = torch.rand(n, chunks, m) > 0.2
     valid[0, 0] = False  # a chunk whose queries see nothing (padding): finite, no gradient
-    mask = WindowMask(positions, valid, before=1, after=1, causal=True, self_penalty=True,
+    mask = ChunkMask(positions, valid, before=1, after=1, causal=True, self_penalty=True,
                       groups=torch.randint(0, 2, (n, chunks, m)), group_band=(-5, 2),
                       round_locations=torch.randint(0, 4, (n, chunks, m, 3)), round_band=(-1, 1))
 
     def plain(q, k, v):
-        scores = mask.apply_(q @ windows(k, 1, 1, 0, 1).transpose(-1, -2) * 0.5)
+        scores = mask.apply_(q @ neighbour_chunks(k, 1, 1, 0, 1).transpose(-1, -2) * 0.5)
         lse = scores.logsumexp(-1).clamp(min=-1e9)
         probs = (scores - lse[..., None]).exp()
         # rows left with only their own (penalised, constant) key carry no gradient to it
         only_self = (lse <= -5e4)[..., None]
         probs = torch.where(only_self, probs.detach(), probs)
-        return probs @ windows(v, 1, 1, 0, 1), lse
+        return probs @ neighbour_chunks(v, 1, 1, 0, 1), lse
 
-    fast, slow = windowed_attention(q, k, v, mask, 0.5, 0.0, save_probs), plain(q, k, v)
+    fast, slow = chunked_attention(q, k, v, mask, 0.5, 0.0, save_probs), plain(q, k, v)
     assert torch.isfinite(fast[0]).all() and torch.isfinite(fast[1]).all()
     weights = [torch.randn_like(t) for t in fast]
     grads = [torch.autograd.grad(sum((t * w).sum() for t, w in zip(out, weights, strict=True)), (q, k, v))
@@ -39,7 +39,7 @@ def test_windowed_attention_backward_equals_autograd_of_the_same_math(save_probs
 
     def with_dropout(q, k, v):
         torch.manual_seed(5)  # the same dropout mask on every call
-        return windowed_attention(q, k, v, mask, 0.5, 0.3, save_probs)
+        return chunked_attention(q, k, v, mask, 0.5, 0.3, save_probs)
 
     assert torch.autograd.gradcheck(with_dropout, (q, k, v))
 
@@ -53,9 +53,9 @@ def test_window_mask_drops_keys_an_earlier_round_listed():
     positions = torch.arange(chunks * m).view(1, chunks, m).expand(n, -1, -1)
     valid = torch.rand(n, chunks, m) > 0.1
     locations = torch.randint(0, 6, (n, chunks, m, rounds))
-    plain = WindowMask(positions, valid, before, after)
-    mask = WindowMask(positions, valid, before, after, round_locations=locations, round_band=band)
-    key_locations = windows(locations, before, after, 0, rest_dims=1)  # [n, C, W, R]
+    plain = ChunkMask(positions, valid, before, after)
+    mask = ChunkMask(positions, valid, before, after, round_locations=locations, round_band=band)
+    key_locations = neighbour_chunks(locations, before, after, 0, rest_dims=1)  # [n, C, W, R]
     gap = key_locations[:, :, None, :, :] - locations[:, :, :, None, :]  # [n, C, m, W, R]
     listed = (gap >= band[0]) & (gap <= band[1])
     round_of_row = torch.arange(n) % rounds
@@ -66,4 +66,4 @@ def test_window_mask_drops_keys_an_earlier_round_listed():
     assert mask.disallowed().shape == (n, chunks, m, width)
     torch.testing.assert_close(mask.disallowed(), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="whole groups"):
-        WindowMask(positions[:5], valid[:5], before, after, round_locations=locations[:5], round_band=band).disallowed()
+        ChunkMask(positions[:5], valid[:5], before, after, round_locations=locations[:5], round_band=band).disallowed()

@@ -28,6 +28,8 @@ from attnzoo.modeling.attention.random_features import log_positive_features
 from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
     WindowStateLayer,
+    beyond_window,
+    dense_near_and_far,
     gather_tokens,
     left_align,
     restore_order,
@@ -38,9 +40,9 @@ from attnzoo.modeling.attention.window_linear import (
     add_far_key,
     blocked_far_part,
     combine,
-    dense_near_and_far,
     far_key_mask,
     far_sums,
+    keys_far_from,
     read_far,
 )
 from attnzoo.ops.chunked_attention import mask_values
@@ -88,8 +90,7 @@ class WindowedFavorAttention(WindowInsideLayer, WindowedLinearForward, FavorAtte
         attention keeps them) and FAVOR+'s per-feature sums over the far keys of the last token, per query head:
         positions sinks .. n_real - window - 1."""
         layer.start(k, v, n_real)
-        position = torch.arange(k.shape[2], device=k.device)
-        gone = (position[None, :] >= self.sinks) & (position[None, :] < (n_real - self.window_size)[:, None])
+        gone = keys_far_from(n_real - 1, k.shape[2], self.window_size, self.sinks)
         layer.state.update(far_sums(log_k, v_expanded, gone))
 
     def _step(self, q, k, v, real, layer, projection):
@@ -98,7 +99,8 @@ class WindowedFavorAttention(WindowInsideLayer, WindowedLinearForward, FavorAtte
         # the token leaving the window (position - w) joins the far sums unless it is a sink or not there
         leaving_k, leaving_v = state["window_k"][:, :, :1], state["window_v"][:, :, :1]
         leaving_pos = state["window_pos"][:, 0]
-        joins = real & (leaving_pos >= self.sinks) & (leaving_pos == position - self.window_size)
+        joins = real & (leaving_pos == position - self.window_size) & beyond_window(position, leaving_pos,
+                                                                                    self.window_size, self.sinks)
         log_k = self._log_features(self.expand_kv(leaving_k), projection).squeeze(2)  # [B, H, m]
         state.update(add_far_key(state["kv_sum"], state["key_sum"], state["key_level"], log_k,
                                  self.expand_kv(leaving_v).squeeze(2), joins))

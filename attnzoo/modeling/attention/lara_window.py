@@ -40,8 +40,11 @@ from attnzoo.modeling.attention.lara_causal import CausalLARA, LaraStateLayer
 from attnzoo.modeling.attention.random_features import log_features_at
 from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
+    beyond_window,
+    dense_near_and_far,
     gather_tokens,
     left_align,
+    outside_window,
     restore_order,
     window_scores,
 )
@@ -50,9 +53,9 @@ from attnzoo.modeling.attention.window_linear import (
     add_far_key,
     blocked_far_part,
     combine,
-    dense_near_and_far,
     far_key_mask,
     far_sums,
+    keys_far_from,
     read_far,
 )
 from attnzoo.ops.chunked_attention import mask_values
@@ -94,7 +97,7 @@ class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
         token (positions sinks .. n_real - window - 1), and the running landmark sums of the unfinished chunk."""
         chunk, length = self.chunk_size, q.shape[2]
         position = torch.arange(length, device=q.device)[None, :]
-        gone = (position >= self.sinks) & (position < (n_real - self.window_size)[:, None])
+        gone = keys_far_from(n_real - 1, length, self.window_size, self.sinks)
         in_partial = terms["token_valid"] & (position >= (n_real // chunk * chunk)[:, None])
         partial = in_partial[:, None, :, None].to(q.dtype)
         layer.start(n_real, length, k_hat=k_grouped * self.head_dim ** -0.25, v=v_grouped, omega=terms["omega"],
@@ -112,7 +115,7 @@ class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
         position = torch.tensor(layer.counts, device=q.device)  # [B]: this token's position
         # the key at position - window leaves the window; it joins the far sums unless it is a sink or not there
         leaving = position - self.window_size
-        joins = leaving >= self.sinks  # sinks >= 0, so a position before the start never joins
+        joins = beyond_window(position, leaving, self.window_size, self.sinks)  # never a position before the start
         leaving_k = self._stored(state["k_hat"], leaving.clamp(min=0)[:, None])
         leaving_v = self._stored(state["v"], leaving.clamp(min=0)[:, None])
         log_k = log_features_at(self.expand_kv(leaving_k), state["omega"]).squeeze(2)  # [B, H, P]
@@ -124,7 +127,8 @@ class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
         # the window part: sinks outside the window, then positions position - window + 1 .. position
         sink_index = torch.arange(self.sinks, device=q.device)[None, :].expand(len(layer.counts), -1)
         window_index = leaving[:, None] + 1 + torch.arange(self.window_size, device=q.device)[None, :]
-        allowed = torch.cat([sink_index <= leaving[:, None], window_index >= 0], dim=1)  # [B, S + W]
+        allowed = torch.cat([outside_window(position[:, None], sink_index, self.window_size), window_index >= 0],
+                            dim=1)  # [B, S + W]
         index = torch.cat([sink_index, window_index.clamp(min=0)], dim=1)
         keys = self.expand_kv(self._stored(layer.state["k_hat"], index))
         values = self.expand_kv(self._stored(layer.state["v"], index))
@@ -155,8 +159,7 @@ class WindowedLARA(WindowInsideLayer, WindowedLinearForward, CausalLARA):
         omega = self._draw(mu)
         keys, values = self.expand_kv(state["k_hat"][rows_t]), self.expand_kv(state["v"][rows_t])
         count = torch.tensor([layer.counts[r] for r in rows], device=keys.device)
-        position = torch.arange(keys.shape[2], device=keys.device)[None, :]
-        gone = (position >= self.sinks) & (position < (count - self.window_size)[:, None])
+        gone = keys_far_from(count - 1, keys.shape[2], self.window_size, self.sinks)
         log_k = log_features_at(keys, omega.unsqueeze(2))  # [rows, H, N, 1]
         far = {name: value.squeeze(2) for name, value in far_sums(log_k, values, gone).items()}
         layer.set_proposals(rows, [layer.counts[r] // chunk for r in rows], omega=omega, mu=mu, q_bar=q_bar, **far)

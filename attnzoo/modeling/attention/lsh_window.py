@@ -50,8 +50,11 @@ from attnzoo.modeling.attention.lsh_hashing import (
 )
 from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
+    beyond_window,
+    dense_near_and_far,
     gather_tokens,
     left_align,
+    outside_window,
     restore_order,
     window_scores,
 )
@@ -70,8 +73,8 @@ class FarKeyMask(ChunkMask):
 
     def disallowed(self) -> torch.Tensor:
         key_positions = self.neighbours(self.positions, -1).unsqueeze(-2)  # [N, C, 1, W]; -1 past the ends
-        near = (key_positions > self.positions.unsqueeze(-1) - self.window_size) | (key_positions < self.sinks)
-        return super().disallowed() | near
+        far = beyond_window(self.positions.unsqueeze(-1), key_positions, self.window_size, self.sinks)
+        return super().disallowed() | ~far
 
 
 @register_attention("lsh_window")
@@ -156,10 +159,10 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
         sink_positions = torch.arange(s, device=qk.device)[None].expand(batch, s)
         window_positions = position[:, None] - w + 1 + torch.arange(w, device=qk.device)  # ends with the token
         near_positions = torch.cat([sink_positions, window_positions], dim=1)  # [B, S + W]
-        near_allowed = torch.cat([sink_positions <= (position - w)[:, None], window_positions >= 0], dim=1)
+        near_allowed = torch.cat([outside_window(position[:, None], sink_positions, w), window_positions >= 0], dim=1)
         near_index = torch.where(near_allowed, near_positions + lead[:, None], -1)
         far_positions = far_index - lead[:, None, None]
-        far_allowed = (far_index >= 0) & (far_positions >= s) & (far_positions <= (position - w)[:, None, None])
+        far_allowed = (far_index >= 0) & beyond_window(position[:, None, None], far_positions, w, s)
         far_index = torch.where(far_allowed, far_index, -1)
         index = torch.cat([near_index[:, None].expand(batch, heads, -1), far_index], -1)  # [B, H, S + W + R*K]
         safe = index.clamp(min=0)
@@ -202,12 +205,8 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
         rounds_listing = candidate.sum(dim=2)  # [B, H, L, L]
         if self.duplicate_correction:
             rounds_listing = rounds_listing.clamp(max=1)
-        position = valid.long().cumsum(-1) - 1
-        index = torch.arange(length, device=qk.device)
-        earlier = (index[None, :] <= index[:, None])[None] & valid[:, None, :]  # [B, L, L]
-        near = earlier & ((position[:, :, None] - position[:, None, :] < self.window_size)
-                          | (position[:, None, :] < self.sinks))
-        far = (earlier & ~near)[:, None] & (rounds_listing > 0)
+        near, beyond = dense_near_and_far(valid, self.window_size, self.sinks)  # [B, L, L]
+        far = beyond[:, None] & (rounds_listing > 0)
         scores = qk @ normalize_keys(qk).transpose(-1, -2)
         logits = torch.where(far, scores + rounds_listing.to(scores.dtype).log(), float("-inf"))
         logits = torch.where(near[:, None], scores, logits)

@@ -40,7 +40,7 @@ import torch
 
 from attnzoo.modeling.attention.base import register_attention
 from attnzoo.modeling.attention.randomized import RandomizedAttention, randomized_aggregate
-from attnzoo.modeling.attention.window import WindowInsideLayer
+from attnzoo.modeling.attention.window import WindowInsideLayer, beyond_window
 
 
 def real_positions(key_mask: torch.Tensor | None, batch: int, keys: int, device) -> torch.Tensor:
@@ -57,9 +57,8 @@ def near_and_far_keys(allowed: torch.Tensor, key_mask: torch.Tensor | None, wind
     (itself), so the near softmax is never empty."""
     batch, _, queries, keys = allowed.shape
     positions = real_positions(key_mask, batch, keys, allowed.device)
-    gap = positions[:, -queries:, None] - positions[:, None, :]  # [B, queries, keys]
-    near = allowed & ((gap < window) | (positions[:, None, :] < sinks))[:, None]
-    return near, allowed & ~near
+    far = allowed & beyond_window(positions[:, -queries:, None], positions[:, None, :], window, sinks)[:, None]
+    return allowed & ~far, far
 
 
 def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
@@ -103,11 +102,10 @@ class WindowedRandomizedAttention(WindowInsideLayer, RandomizedAttention):
         key_index = torch.arange(keys, device=q_hat.device)
         real_key = key_mask if key_mask is not None else torch.ones(1, keys, dtype=torch.bool, device=q_hat.device)
         earlier_real = (key_index[None, None, :] <= query_index[None, :, None]) & real_key[:, None, :]
-        in_window = query_positions[:, :, None] - positions[:, None, :] < self.window_size
-        is_sink = positions[:, None, :] < self.sinks
+        far = earlier_real & beyond_window(query_positions[:, :, None], positions[:, None, :], self.window_size,
+                                           self.sinks)
         own = key_index[None, None, :] == query_index[None, :, None]
-        near = (earlier_real & (in_window | is_sink)) | (own & ~real_key[:, keys - queries:, None])
-        far = earlier_real & ~near
+        near = (earlier_real & ~far) | (own & ~real_key[:, keys - queries:, None])
         near, far = near[:, None], far[:, None]  # [B, 1, N, M]
         omega = self.sample_omega(q_hat, k_hat, keys_to_sample(far), key_mask)  # [B, H, N, S, d]
 

@@ -26,6 +26,39 @@ from attnzoo.modeling.cache import RecurrentStateLayer
 from attnzoo.ops.chunked_attention import mask_values, pad_to_multiple
 
 
+# -- the near/far rule, once ------------------------------------------------------------------------------------------
+# Positions count real tokens. A key at position p is NEAR a (causal) query at position i when it is in the query's
+# window (0 <= i - p < W) or is one of the first S tokens (a sink, p < S); every other earlier real key is FAR. The
+# exact window part attends to the near keys; a windowed layer's far part (FAVOR+, causal LARA, RA, LSH) to the far
+# ones. Every layer, form (parallel, decoding, reference) and mask below is written with these two functions.
+def in_window(query_pos, key_pos, window: int):
+    """Whether a key at `key_pos` lies in the causal window of a query at `query_pos` (broadcasting tensors)."""
+    gap = query_pos - key_pos
+    return (gap >= 0) & (gap < window)
+
+
+def outside_window(query_pos, key_pos, window: int):
+    """Whether a key at `key_pos` comes before the window of a query at `query_pos` (a sink there is attended as a
+    sink; one inside the window, as part of the window)."""
+    return query_pos - key_pos >= window
+
+
+def beyond_window(query_pos, key_pos, window: int, sinks: int):
+    """Whether an earlier key at `key_pos` is far from a query at `query_pos`: before its window and not a sink."""
+    return outside_window(query_pos, key_pos, window) & (key_pos >= sinks)
+
+
+def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(near, far) [B, L, L] bool masks of the dense references for `valid` [B, L] real tokens, each query's earlier
+    real keys split by the rule above (positions counted in real tokens)."""
+    length = valid.shape[1]
+    pos = valid.long().cumsum(-1) - 1
+    index = torch.arange(length, device=valid.device)
+    earlier = (index[:, None] >= index[None, :])[None] & valid[:, None, :]
+    far = earlier & beyond_window(pos[:, :, None], pos[:, None, :], window, sinks)
+    return earlier & ~far, far
+
+
 def left_align(valid: torch.Tensor) -> torch.Tensor:
     """[B, L] permutation that moves each row's real tokens to the front, in order (stable)."""
     return torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
@@ -69,13 +102,14 @@ def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale:
         batch, blocks, -1) & in_range
     query_pos = position.view(blocks, w)
     gap = query_pos[:, :, None] - key_pos[:, None, :]  # [blocks, w, n * w]
-    near = (gap >= 0) & (gap < w) if causal else gap.abs() < w
+    near = in_window(query_pos[:, :, None], key_pos[:, None, :], w) if causal else gap.abs() < w
     allowed = near[None] & key_real[:, :, None, :]
     own = gap == 0
     sink_count = min(sinks, blocks * w)
-    if sink_count:
-        sink_gap = query_pos[:, :, None] - torch.arange(sink_count, device=device)  # [blocks, w, S]
-        far = (sink_gap >= w) if causal else sink_gap.abs() >= w
+    if sink_count:  # a sink inside the query's window is counted there
+        sink_pos = torch.arange(sink_count, device=device)
+        sink_gap = query_pos[:, :, None] - sink_pos  # [blocks, w, S]
+        far = outside_window(query_pos[:, :, None], sink_pos, w) if causal else sink_gap.abs() >= w
         allowed = torch.cat([far[None] & real[:, None, None, :sink_count], allowed], dim=-1)
         keys = torch.cat([k[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), keys], dim=3)
         values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
@@ -156,8 +190,8 @@ class WindowStateLayer(RecurrentStateLayer):
         sinks outside its window, and the ring."""
         state = self.state
         device = position.device
-        sink_allowed = state["sink_valid"] & (torch.arange(self.sinks, device=device)[None]
-                                              <= (position - self.window_size)[:, None])
+        sink_pos = torch.arange(self.sinks, device=device)[None]
+        sink_allowed = state["sink_valid"] & outside_window(position[:, None], sink_pos, self.window_size)
         allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
         allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
         return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
@@ -247,11 +281,12 @@ class SlidingWindowAttention(ZooAttention):
                                                                  device=hidden_states.device)
         q, k, v = self._project(hidden_states, position_ids, 0)
         k, v = self.expand_kv(k), self.expand_kv(v)
-        pos = valid.long().cumsum(-1) - 1  # [B, L]
-        gap = pos[:, :, None] - pos[:, None, :]
-        near = ((gap >= 0) & (gap < self.window_size)) if self.causal else gap.abs() < self.window_size
-        sink = (pos[:, None, :] < self.sinks) & ((gap >= 0) if self.causal else True)
-        allowed = (near | sink) & valid[:, None, :]
+        if self.causal:
+            allowed, _ = dense_near_and_far(valid, self.window_size, self.sinks)
+        else:  # bidirectional: |pos_i - pos_j| < W, and the first S real tokens
+            pos = valid.long().cumsum(-1) - 1  # [B, L]
+            gap = pos[:, :, None] - pos[:, None, :]
+            allowed = ((gap.abs() < self.window_size) | (pos[:, None, :] < self.sinks)) & valid[:, None, :]
         allowed = allowed | torch.eye(length, dtype=torch.bool, device=q.device)[None] & ~valid[:, :, None]
         scores = (q @ k.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))

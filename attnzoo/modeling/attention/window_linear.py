@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.modeling.attention.random_features import NO_KEY_LEVEL
-from attnzoo.modeling.attention.window import new_token_inputs
+from attnzoo.modeling.attention.window import beyond_window, new_token_inputs
 from attnzoo.ops.decayed_linear_attention import decayed_cumsum
 
 
@@ -85,22 +85,15 @@ def grouped_heads(module, hidden_states: torch.Tensor, position_ids=None, past: 
 
 
 def far_key_mask(n_real: torch.Tensor, sinks: int, length: int) -> torch.Tensor:
-    """[B, L] of left-aligned tokens: the real keys that are not sinks (the only ones that can be far)."""
+    """[B, L] of left-aligned tokens: the real keys that are not sinks, the only ones that can be far (the blocks of
+    `blocked_far_part` keep each query's window out)."""
     position = torch.arange(length, device=n_real.device)
-    return (position[None, :] >= sinks) & (position[None, :] < n_real[:, None])
+    return beyond_window(position[None, :], position[None, :], 0, sinks) & (position[None, :] < n_real[:, None])
 
 
-def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(near, far) [B, L, L] bool masks of the dense references, positions counted in real tokens of `valid` [B, L]:
-    near = real keys at or before the query within the window or among the first S; far = the other real keys at or
-    before it."""
-    length = valid.shape[1]
-    pos = valid.long().cumsum(-1) - 1
-    gap = pos[:, :, None] - pos[:, None, :]
-    index = torch.arange(length, device=valid.device)
-    before = (index[:, None] >= index[None, :])[None] & valid[:, None, :]
-    near = before & ((gap < window) | (pos[:, None, :] < sinks))
-    return near, before & ~near
+def keys_far_from(position: torch.Tensor, length: int, window: int, sinks: int) -> torch.Tensor:
+    """[B, L]: which of the first `length` (left-aligned) positions are far from a query at `position` [B]."""
+    return beyond_window(position[:, None], torch.arange(length, device=position.device)[None, :], window, sinks)
 
 
 def blocked_far_part(log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, far_key: torch.Tensor,

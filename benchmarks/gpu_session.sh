@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# The GPU runs of a session that is lent a CUDA machine, in stages that each fit one 10-minute call, in the order
-# they matter: first whether the fused kernels and graph-captured decoding are right on a GPU, then how fast they are.
-# Every step has its own time limit, so a slow one cannot take the stage's later steps with it; each benchmark writes
-# its own JSON and plot under benchmarks/results/ (device name inside), and the stage packs what it wrote, with its
-# log and the tests' JUnit report, into $OUT (at most 8 files come back from there).
+# The GPU runs of the speed and decoding goals (docs/benchmarks.md), in four stages of under 10 minutes each, in the
+# order they matter: first whether the fused kernels and graph-captured decoding are right on a GPU, then how fast.
 #
-# Before the call, on the machine with network (fla is not in the GPU image; it needs only einops, which is):
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0
-# The calls (the device tool's `run`, carry [".whl"], timeout_s 600), in this order:
-#   bash benchmarks/gpu_session.sh checks   # ~4 min: tests/ops (Triton = reference, fp32/bf16/fp16, forward and
-#                                           #   backward) and tests/models/test_cuda.py (reversible RNG replay,
-#                                           #   LSH/local on CUDA, CUDA-graph static decoding = eager)
-#   bash benchmarks/gpu_session.sh speed    # ~9 min: kernels (Triton vs PyTorch, fla, SDPA, FlexAttention), the
-#                                           #   paper-size Reformer at 64K, eager decoding at batch 8, 1K-64K
-#   bash benchmarks/gpu_session.sh decode   # ~9 min: graph-captured decoding (static caches, reduce-overhead)
-#   bash benchmarks/gpu_session.sh reformer # ~9 min: Reformer against transformers' (1K-64K), Performer, RA/LARA
-# Then copy the JSON and PNG files from the returned results_<stage>.tgz into benchmarks/results/ and commit them.
+# What they need of the machine:
+#   - one CUDA GPU; the paper-size Reformer step (12 x 1024 at 64K tokens) needs 16 GB, the 64K decoding rows more;
+#   - Python 3.12 with torch >= 2.11 (CUDA build), transformers >= 5.17, triton 3.6 and einops, and this checkout
+#     (it runs from the repository root, with PYTHONPATH set to it, nothing installed);
+#   - fla (flash-linear-attention, the causal-Performer baseline), which GPU images rarely have: bring its wheels in
+#     .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+#     --platform manylinux_2_17_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0`); without them the fla
+#     rows are left out and the rest runs.
+# Stages and their time on one H100/H200:
+#   checks    ~4 min: tests/ops (Triton = PyTorch reference, fp32/bf16/fp16, forward and backward) and
+#             tests/models/test_cuda.py (reversible RNG replay, LSH/local on CUDA, CUDA-graph decoding = eager)
+#   speed     ~9 min: kernels (Triton vs PyTorch, fla, SDPA, FlexAttention), the paper-size Reformer at 64K, eager
+#             decoding at batch 8 over 1K-64K contexts
+#   decode    ~9 min: graph-captured decoding (static caches, reduce-overhead)
+#   reformer  ~9 min: Reformer against transformers' (1K-64K), Performer, RA/LARA
+# Each step has its own time limit, so a slow one cannot take the stage's later steps with it. Each benchmark writes
+# its own JSON and plot under benchmarks/results/ (the device name inside); the stage packs what it wrote, with its log
+# and the tests' JUnit report, into $OUT/results_<stage>.tgz ($OUT: default /tmp/gpu_session_out). Commit the JSON and
+# PNG files from it; never transcribe a figure.
 set -uo pipefail
 stage=${1:?"name a stage: checks, speed, decode or reformer"}
 OUT=${OUT:-/tmp/gpu_session_out}

@@ -223,9 +223,12 @@ def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
             "lm_eval_raw": {k: raw[k] for k in ("results", "n-shot", "n-samples", "versions", "config") if k in raw}}
 
 
+RESULTS_MARK = "evaluate"  # the "script" entry of the results files this script writes
+
+
 def check_output_file(path: str | None) -> None:
-    """--output_file may name a new file or one this script wrote before (a JSON object with the model and task it
-    evaluated), which is replaced; anything else is refused before the model is loaded."""
+    """--output_file may name a new file or one this script wrote before (a JSON object marked with
+    "script": "evaluate"), which is replaced; anything else is refused before the model is loaded."""
     if path is None or not Path(path).exists():
         return
     target = Path(path)
@@ -236,7 +239,7 @@ def check_output_file(path: str | None) -> None:
         earlier = json.loads(target.read_text())
     except (ValueError, UnicodeDecodeError, OSError):
         earlier = None
-    if not (isinstance(earlier, dict) and {"model", "task"} <= earlier.keys()):
+    if not (isinstance(earlier, dict) and earlier.get("script") == RESULTS_MARK):
         raise ValueError(f"--output_file {target} already exists and is not a results file of this script; it is "
                          "left as it is. Name another file (or move that one away).")
 
@@ -283,7 +286,9 @@ def report(results: dict, args, main_process: bool) -> dict:
         shown = {k: v for k, v in results.items() if k not in ("all_bleu", "lm_eval_raw")}
         print(json.dumps(shown, indent=2))
         if args.output_file:
-            Path(args.output_file).write_text(json.dumps(results, indent=2, default=str))
+            path = Path(args.output_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"script": RESULTS_MARK, **results}, indent=2, default=str))
     return results
 
 

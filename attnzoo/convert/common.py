@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from attnzoo.configuration.base import PEER_SPELLINGS
 from attnzoo.registration import FAMILY_CONFIGS
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def build_config(family: str, fixed: dict, defaults: dict, overrides: dict | Non
     config_class = family_config_class(family)
     overrides = dict(overrides or {})
     probe = config_class()
-    unknown = sorted(k for k in overrides if not hasattr(probe, k))
+    unknown = sorted(k for k in overrides if not hasattr(probe, PEER_SPELLINGS.get(k, k)))  # older names too
     if unknown:
         raise ValueError(f"--model {unknown}: not fields of {config_class.__name__}; check the spelling (fields are "
                          f"documented in attnzoo.{config_class.__name__}).")
@@ -176,10 +177,16 @@ def add_converter_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_destination(dst: str | Path) -> Path:
-    """`dst` as a Path; ValueError if it is a file or a non-empty folder (checked before converting anything)."""
+    """`dst` as a Path; ValueError if it is a file or a non-empty folder (checked before converting anything): a
+    converter writes only a new model, into a missing or empty folder."""
+    from attnzoo.training.run_dir import describe_folder
+
     dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst} exists and is not an empty folder; choose a new output folder.")
+    if dst.exists() and not dst.is_dir():
+        raise ValueError(f"DST {dst} is a file; name a new folder for the converted model.")
+    if dst.is_dir() and any(dst.iterdir()):
+        raise ValueError(f"DST {dst} already holds files: {describe_folder(dst)}. A converter writes only into a "
+                         "missing or empty folder; nothing was written. Name a new folder.")
     return dst
 
 

@@ -131,8 +131,8 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
             damaged = damaged_weight_files(pretrained_model_name_or_path)
             if not damaged:
                 raise
-            raise ValueError(f"{pretrained_model_name_or_path}: {'; '.join(damaged)}: the weights are damaged, "
-                             "probably cut short while being written or copied. Copy or save the model again."
+            raise ValueError(f"{pretrained_model_name_or_path}: {'; '.join(damaged)}: the weights are damaged "
+                             "(cut short or corrupted while being written or copied). Copy or save the model again."
                              ) from error
 
     def new_decoding_cache(self, max_cache_len: int | None = None):

@@ -35,6 +35,7 @@ def add_model_settings_argument(group, help: str) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_family: str = "softmax") -> None:
     group = parser.add_argument_group("model")
+    parser.set_defaults(default_family=default_family)
     group.add_argument("--family", default=default_family,
                        help=f"attention family of a new model: {', '.join(FAMILIES)} (model_type attnzoo_FAMILY)")
     group.add_argument("--model_name_or_path", default=None,
@@ -109,6 +110,27 @@ def add_training_arguments(parser: argparse.ArgumentParser, **defaults) -> None:
     parser.set_defaults(**defaults)
 
 
+def check_family_of_source(args: argparse.Namespace) -> None:
+    """--family configures a new model; with --model_name_or_path the model has its own (its config's model_type).
+    Only the family of a new model is the parser's default, so a --family that names another family than a local
+    model's is a mistake the run would otherwise ignore (and record)."""
+    config_file = Path(args.model_name_or_path) / "config.json"
+    if not config_file.is_file():
+        return  # a Hub id: its family is read when it loads
+    import json
+
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type", "")
+    except (ValueError, OSError, AttributeError):
+        return  # transformers reports an unreadable config when it loads
+    family = model_type.removeprefix("attnzoo_")
+    if args.family != family and args.family != getattr(args, "default_family", None):
+        raise ValueError(f"--family {args.family} configures a new model, but --model_name_or_path "
+                         f"{args.model_name_or_path} is a {model_type} model: drop --family (the model keeps its "
+                         "family) or convert it first.")
+    args.family = family  # the run record names the family it trains
+
+
 def check_training_arguments(args: argparse.Namespace) -> None:
     """Raise ValueError naming the argument and what to change."""
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -150,6 +172,7 @@ def check_training_arguments(args: argparse.Namespace) -> None:
         from attnzoo.training.model_source import check_model_source
 
         check_model_source(args.model_name_or_path)
+        check_family_of_source(args)
     if args.model_name_or_path and args.model:
         raise ValueError("--model NAME=VALUE configures a new model; it cannot change --model_name_or_path "
                          f"{args.model_name_or_path}. Drop one of them.")

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
+from attnzoo.configuration.base import PEER_SPELLINGS
 from attnzoo.training.checkpoints import (
     CheckpointSaveError,
     any_process,
@@ -87,7 +88,7 @@ def new_model_config(family: str, values: dict, overrides: list[str]):
     user_values = parse_model_overrides(overrides)
     # PreTrainedConfig keeps unknown keyword arguments as attributes, so a misspelt field would be silently ignored.
     defaults = CONFIG_MAPPING[model_type]()
-    unknown = sorted(k for k in user_values if not hasattr(defaults, k))
+    unknown = sorted(k for k in user_values if not hasattr(defaults, PEER_SPELLINGS.get(k, k)))  # older names too
     if unknown:
         raise ValueError(f"--model {unknown}: not fields of {model_type}'s config; check the spelling (fields are "
                          f"documented in attnzoo.{type(defaults).__name__}).")

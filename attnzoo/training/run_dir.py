@@ -13,6 +13,7 @@ leave the same record beside the model they write, so a later run can say where 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,12 @@ MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json
 LEGACY_RUN_FILES = ("all_results.json", "training_args.json", "curves.png", "README.md", "generation_config.json",
                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "transfer_args.json",
                     "lora_args.json", "eval_results.json", "train_results.json", "trainer_state.json")
+
+
+#: the flag that names the model a script starts from (for the advice to train a folder's model elsewhere)
+START_FLAGS = {"transfer_attention": "--student"}
+#: what a run's checkpoints folder holds: its own step folders (and a save's staging or replaced copy)
+CHECKPOINT_ENTRY = re.compile(r"^step_\d+(\.partial|\.replaced)?$")
 
 
 def script_label(script: str) -> str:
@@ -82,7 +89,16 @@ def describe_folder(folder: Path) -> str:
     if any(name in contents for name in MODEL_FILES):
         return (f"a model that no attnzoo run recorded ({_listed(contents)}): a converted or `save_pretrained` "
                 "model, or a run from before runs were recorded")
-    return f"files that are not a run ({_listed(contents)})"
+    return f"files that are not a run ({_listed(contents)}; no run_args.json)"
+
+
+def holds_model(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in MODEL_FILES)
+
+
+def has_checkpoint(folder: Path) -> bool:
+    """Whether a run left a checkpoint to resume: checkpoints/step_N, or the Trainer's checkpoint-N."""
+    return any(p.is_dir() for p in [*(folder / "checkpoints").glob("step_*"), *folder.glob("checkpoint-*")])
 
 
 def check_output_dir(args, script: str) -> None:
@@ -102,23 +118,24 @@ def check_output_dir(args, script: str) -> None:
     if resuming:
         _check_resumable(folder, contents, args, script)
     elif contents and overwriting:
-        _check_overwritable(folder, contents)
+        _check_overwritable(folder, contents, args, script)
     elif contents:
-        holds = describe_folder(folder)
-        if read_run_record(folder) is not None and recorded_script(folder, read_run_record(folder)) == script:
-            choices = ("resume that run with --resume_from_checkpoint latest, start over with "
-                       "--overwrite_output_dir (deletes that run's files and nothing else), or pick another "
-                       "--output_dir")
+        record = read_run_record(folder)
+        if record is not None and recorded_script(folder, record) == script:
+            resume = ("resume that run with --resume_from_checkpoint latest, " if has_checkpoint(folder) or
+                      not holds_model(folder) else "")
+            choices = (f"{resume}start over with --overwrite_output_dir (deletes that run's files and nothing "
+                       f"else), or {_elsewhere_choices(folder, script)}")
         else:
-            choices = _elsewhere_choices(folder)
-        raise ValueError(f"--output_dir {folder} already holds files: {holds}. A new run there would overwrite and "
-                         f"mix with them; {choices}.")
+            choices = _elsewhere_choices(folder, script)
+        raise ValueError(f"--output_dir {folder} already holds files: {describe_folder(folder)}. A new run there "
+                         f"would overwrite and mix with them; {choices}.")
 
 
-def _elsewhere_choices(folder: Path) -> str:
-    has_model = any((folder / name).is_file() for name in MODEL_FILES)
-    start_from = (f"; to train the model it holds, keep it and write the run elsewhere: --model_name_or_path "
-                  f"{folder} --output_dir {folder.name}-trained" if has_model else "")
+def _elsewhere_choices(folder: Path, script: str) -> str:
+    flag = START_FLAGS.get(script, "--model_name_or_path")
+    start_from = (f"; to train the model it holds, keep it and write the run elsewhere: {flag} {folder} "
+                  f"--output_dir {folder.name}-trained" if holds_model(folder) else "")
     return f"pick another --output_dir{start_from}"
 
 
@@ -127,6 +144,10 @@ def _check_resumable(folder: Path, contents: list[str], args, script: str) -> No
     if explicit:  # a step_N (or the Trainer's checkpoint-N) folder: it must be one of this folder's own checkpoints
         checkpoint = Path(args.resume_from_checkpoint)
         inside = checkpoint.resolve().parent in ((folder / "checkpoints").resolve(), folder.resolve())
+        if inside and not checkpoint.is_dir():
+            raise ValueError(f"--resume_from_checkpoint {checkpoint} does not exist; pass 'latest' (the newest "
+                             f"valid checkpoint in {folder}) or one of the run's checkpoint folders. Nothing was "
+                             "written.")
         if not inside:
             raise ValueError(f"--resume_from_checkpoint {checkpoint} is not a checkpoint of the run in "
                              f"--output_dir {folder}: a checkpoint continues only the run that wrote it, in its own "
@@ -139,40 +160,67 @@ def _check_resumable(folder: Path, contents: list[str], args, script: str) -> No
     if record is None or (recorded is not None and recorded != script):
         raise ValueError(f"--resume_from_checkpoint: --output_dir {folder} holds {describe_folder(folder)}, not a "
                          f"run of {script_label(script)} to resume. Nothing was written; "
-                         f"{_elsewhere_choices(folder)}.")
+                         f"{_elsewhere_choices(folder, script)}.")
     current = _resume_settings(args)
     if recorded is None:  # an older record: its settings must be this script's own
         missing = [name for name in current if name not in record]
         if missing:
             raise ValueError(f"--resume_from_checkpoint: --output_dir {folder} holds {describe_folder(folder)} whose "
                              f"record has no {missing} settings, so it is not a run of {script_label(script)}. "
-                             f"Nothing was written; {_elsewhere_choices(folder)}.")
-    changed = [name for name in record if name in current and record[name] != current[name]]
+                             f"Nothing was written; {_elsewhere_choices(folder, script)}.")
+    changed = [name for name in record if name in current and not same_setting(name, record[name], current[name],
+                                                                                 args)]
     if changed:
         details = "; ".join(f"--{name} {current[name]!r} (the run in {folder} used {record[name]!r})"
                             for name in changed)
         raise ValueError(f"cannot resume with different settings: {details}. A checkpoint continues only the run "
                          "it was saved from: resume with the run's own settings, or start a new run with another "
                          "--output_dir.")
-    has_checkpoint = any(p.is_dir() for p in [*(folder / "checkpoints").glob("step_*"), *folder.glob("checkpoint-*")])
-    has_model = any((folder / name).is_file() for name in MODEL_FILES)
-    if not explicit and not has_checkpoint and has_model:
+    if not explicit and not has_checkpoint(folder) and holds_model(folder):
         raise ValueError(f"--resume_from_checkpoint latest: the run in --output_dir {folder} finished and left no "
                          "checkpoint to resume (it saved only its final model), so resuming would train from scratch "
                          f"over that model. Nothing was written; to train that model further, pass "
                          f"--model_name_or_path {folder} --output_dir {folder.name}-continued.")
 
 
-def _check_overwritable(folder: Path, contents: list[str]) -> None:
+def _check_overwritable(folder: Path, contents: list[str], args, script: str) -> None:
     record = read_run_record(folder)
     if record is None:
-        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)}, not a run "
-                         "(it has no run_args.json), so it is not emptied. Pick another --output_dir.")
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)}, so it is "
+                         "not a run and is not emptied. Pick another --output_dir.")
+    recorded = recorded_script(folder, record)
+    if recorded is not None and recorded != script:
+        raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)}, which this "
+                         f"command did not make; --overwrite_output_dir starts over only a run of "
+                         f"{script_label(script)}. Nothing was deleted; {_elsewhere_choices(folder, script)}.")
+    source = getattr(args, "model_name_or_path", None) or getattr(args, "student", None)
+    if source and Path(source).exists() and Path(source).resolve() in (folder.resolve(), *folder.resolve().parents):
+        raise ValueError(f"--overwrite_output_dir would delete {source}, the model this run starts from (it is "
+                         f"in --output_dir {folder}); nothing was deleted. Write the run elsewhere: --output_dir "
+                         f"{folder.name}-trained.")
     others = [name for name in contents if name not in run_outputs(record)]
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir():  # the run's checkpoints folder holds its step folders, nothing else
+        others += [f"checkpoints/{p.name}" for p in sorted(checkpoints.iterdir()) if not CHECKPOINT_ENTRY.match(p.name)]
     if others:
         raise ValueError(f"--overwrite_output_dir: --output_dir {folder} holds {describe_folder(folder)} and also "
                          f"files that run did not write ({_listed(others)}); nothing was deleted. Move those files "
                          "away, or pick another --output_dir.")
+
+
+def same_setting(name: str, saved, current, args) -> bool:
+    """Whether a resumed run keeps a recorded setting: `--model` values compared as settings (their order does not
+    matter); `--family` does not apply when the run starts from --model_name_or_path (the model has its family)."""
+    if name == "family" and getattr(args, "model_name_or_path", None):
+        return True
+    if name == "model":
+        from attnzoo.training.recipes import parse_model_overrides
+
+        try:
+            return parse_model_overrides(saved) == parse_model_overrides(current)
+        except (ValueError, TypeError, AttributeError):
+            return saved == current
+    return saved == current
 
 
 def run_outputs(record: dict) -> set[str]:

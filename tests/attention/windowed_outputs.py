@@ -29,7 +29,7 @@ CASES = {
     "ra_window": ("ra_window", {}),
     "ra_window_biased": ("ra_window", {"ra_variant": "biased"}),
     "lsh_window_bucket": ("lsh_window", {}),
-    "lsh_window_chunk": ("lsh_window", {"lsh_window": "chunk"}),
+    "lsh_window_chunk": ("lsh_window", {"lsh_attend_to": "chunk"}),
 }
 SHARED = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
               position_embedding_type="rotary", num_random_features=16, lara_chunk_size=3, lara_num_samples=2,

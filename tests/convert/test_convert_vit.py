@@ -147,7 +147,7 @@ def relative_error(source, model, x, forward_seed) -> float:
     ("lara", "lara_num_samples", (4, 17), {}, 0.8),  # 17 = one landmark per token (class token + 16 patches)
     # The chunk window: in the default bucket window the class token (far from every patch) hashes alone in every
     # round and attends to itself, so the pooled logits cannot move with the rounds.
-    ("reformer", "lsh_num_hashes", (1, 8), {"attn_layers": ["lsh"], "lsh_chunk_length": 4, "lsh_window": "chunk",
+    ("reformer", "lsh_num_hashes", (1, 8), {"attn_layers": ["lsh"], "lsh_chunk_length": 4, "lsh_attend_to": "chunk",
                                             "lsh_full_attention_threshold": 0}, 0.8),
 ])
 def test_swap_error_falls_as_the_approximation_gets_finer(family, field, values, fixed, ratio):

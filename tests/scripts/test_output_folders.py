@@ -91,6 +91,9 @@ def test_resuming_a_finished_run_without_checkpoints_is_refused(tmp_path, corpus
     out = tmp_path / "run"
     train(out, corpus, *tiny_model("softmax"), "--checkpointing_steps", "0")
     before = snapshot(out)
+    with pytest.raises(ValueError, match=r"already holds files: a run of train_lm.py .*; start over with "
+                                         r"--overwrite_output_dir"):  # no resume offered: nothing to resume
+        train(out, corpus, *tiny_model("softmax"), "--checkpointing_steps", "0")
     with pytest.raises(ValueError, match=r"finished and left no checkpoint to resume .*train from scratch over that "
                                          r"model. Nothing was written; to train that model further, pass "
                                          r"--model_name_or_path .*run --output_dir run-continued"):
@@ -115,12 +118,12 @@ def test_overwrite_never_empties_a_folder_that_is_not_a_run(tmp_path, corpus, mo
     (mine / "data" / "train.txt").write_text("my data")
     before = snapshot(mine)
     with pytest.raises(ValueError, match=r"--overwrite_output_dir: --output_dir .*mine holds files that are not a run "
-                                         r"\(data, notes.txt\), not a run \(it has no run_args.json\), so it is not "
+                                         r"\(data, notes.txt; no run_args.json\), so it is not a run and is not "
                                          r"emptied"):
         train_new(mine, corpus, "--overwrite_output_dir")
     assert snapshot(mine) == before
     monkeypatch.chdir(mine)  # `--output_dir . --overwrite_output_dir` in one's working folder
-    with pytest.raises(ValueError, match=r"so it is not emptied"):
+    with pytest.raises(ValueError, match=r"so it is not a run and is not emptied"):
         train_new(".", corpus, "--overwrite_output_dir")
     assert snapshot(mine) == before
 
@@ -141,8 +144,47 @@ def test_overwrite_deletes_only_what_the_run_wrote(tmp_path, corpus):
         train_new(out, corpus, "--overwrite_output_dir")
     assert snapshot(out) == before
     (out / "notes.txt").unlink()
+    (out / "checkpoints" / "my_notes.txt").write_text("inside the run's checkpoints")
+    with pytest.raises(ValueError, match=r"also files that run did not write \(checkpoints/my_notes.txt\)"):
+        train_new(out, corpus, "--overwrite_output_dir")
+    (out / "checkpoints" / "my_notes.txt").unlink()
     train_new(out, corpus, "--overwrite_output_dir")
     assert not (out / "checkpoints" / "step_3").exists()
+
+
+def test_overwrite_never_deletes_a_run_of_another_command_or_the_model_it_starts_from(tmp_path, converted, corpus):
+    before = snapshot(converted)
+    with pytest.raises(ValueError, match=r"--overwrite_output_dir: --output_dir .*conv holds a run of "
+                                         r"attnzoo.convert.llama .*which this command did not make; "
+                                         r"--overwrite_output_dir starts over only a run of train_lm.py. Nothing was "
+                                         r"deleted"):
+        train(converted, corpus, "--model_name_or_path", converted, "--overwrite_output_dir")
+    assert snapshot(converted) == before
+    run = tmp_path / "run"
+    train_new(run, corpus)
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=r"--overwrite_output_dir would delete .*run, the model this run starts from"):
+        train(run, corpus, "--model_name_or_path", run, "--overwrite_output_dir")
+    assert snapshot(run) == before
+
+
+def test_settings_of_a_resumed_run_are_compared_as_settings(tmp_path, corpus):
+    out = tmp_path / "run"
+    train_new(out, corpus)
+    reordered = ["--family", "softmax", "--model", *reversed(tiny_model("softmax")[3:])]
+    train(out, corpus, *reordered, "--checkpointing_steps", "1", "--resume_from_checkpoint", "latest",
+          "--max_train_steps", "3")  # the same --model values in another order: the same run
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint .*step_9 does not exist.*Nothing was written"):
+        train_new(tmp_path / "new", corpus, "--resume_from_checkpoint", tmp_path / "new" / "checkpoints" / "step_9")
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_family_that_is_not_the_models_is_refused(tmp_path, converted, corpus):
+    """--family configures a new model; with --model_name_or_path it was ignored and recorded wrongly."""
+    with pytest.raises(ValueError, match=r"--family lara configures a new model, but --model_name_or_path .*conv is "
+                                         r"a attnzoo_performer model"):
+        train(tmp_path / "out", corpus, "--model_name_or_path", converted, "--family", "lara")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_run_of_another_script_is_not_resumed(tmp_path, corpus):
@@ -215,15 +257,16 @@ def test_evaluate_replaces_only_its_own_results_file(tmp_path, corpus):
     argv = ["--model_name_or_path", str(folder), "--train_file", str(corpus), "--block_size", "32",
             "--max_eval_batches", "1"]
     mine = tmp_path / "mine.json"
-    mine.write_text(json.dumps({"my": "numbers"}))
-    with pytest.raises(ValueError, match=r"--output_file .*mine.json already exists and is not a results file of "
-                                         r"this script; it is left as it is"):
-        evaluate.main([*argv, "--output_file", str(mine)])
-    assert json.loads(mine.read_text()) == {"my": "numbers"}
-    results = tmp_path / "results.json"
+    for own in ({"my": "numbers"}, {"model": "gpt2", "task": "lm", "my_notes": "kept"}):
+        mine.write_text(json.dumps(own))
+        with pytest.raises(ValueError, match=r"--output_file .*mine.json already exists and is not a results file "
+                                             r"of this script; it is left as it is"):
+            evaluate.main([*argv, "--output_file", str(mine)])
+        assert json.loads(mine.read_text()) == own
+    results = tmp_path / "new" / "folder" / "results.json"  # its folders are made
     evaluate.main([*argv, "--output_file", str(results)])
     evaluate.main([*argv, "--output_file", str(results)])  # its own file: replaced
-    assert json.loads(results.read_text())["task"] == "lm"
+    assert json.loads(results.read_text())["task"] == "lm" and json.loads(results.read_text())["script"] == "evaluate"
 
 
 def test_a_train_file_that_is_not_a_regular_file_says_so(tmp_path):
@@ -242,7 +285,7 @@ def test_a_truncated_weights_file_is_named_by_from_pretrained(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(ValueError, match=r"model.safetensors \(its tensors need \d+ bytes, but the file has \d+\): the "
-                                         r"weights are damaged, probably cut short"):
+                                         r"weights are damaged \(cut short or corrupted"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
     weights.write_bytes(weights.read_bytes()[:20])
     with pytest.raises(ValueError, match=r"model.safetensors \(its header says \d+ bytes of metadata"):

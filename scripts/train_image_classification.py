@@ -223,70 +223,83 @@ def image_processor(args):
 def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
     check_arguments(args)
-    output_dir = Path(args.output_dir)
     accelerator = build_accelerator(args, "train_image_classification")
     set_seed(args.seed)
-
     with accelerator.main_process_first():
         raw, names = load_labelled_images(args)
+    train_set, validation_set = image_sets(args, raw)
+    model = build_model(args, names)
+    global_batch = scale_learning_rate(args, accelerator)
+    validation_loader = eval_loader(validation_set, args.per_device_eval_batch_size, accelerator, collate_images)
+    run = prepare_run(accelerator, args, model, train_loader(train_set, args.per_device_train_batch_size, args.seed,
+                                                             collate_fn=collate_images), "train_image_classification",
+                      optimizer=build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY))
+    accelerator.print(f"{run.num_parameters / 1e6:.2f}M parameters, {len(names)} classes, {len(train_set)} training "
+                      f"images, global batch {global_batch}, lr {args.learning_rate:.3g}, {run.max_steps} steps, "
+                      f"{accelerator.num_processes} process(es)")
+    started = time.time()
+    step = train(accelerator, args, run, build_mixup(args, len(names)), len(names), validation_loader)
+    accuracy = evaluate_top1(run.model, validation_loader, accelerator, args.max_eval_batches)
+    results = {"eval_accuracy": accuracy, "eval_split": "validation", "num_eval_images": len(validation_set),
+               "train_steps": step, "num_labels": len(names), "num_parameters": run.num_parameters,
+               "learning_rate": args.learning_rate, "global_batch_size": global_batch,
+               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
+    accelerator.log({"eval_accuracy": accuracy}, step=step)
+    unwrapped = save_final_model(accelerator, run.model, args.output_dir, tokenizer=image_processor(args))
+    results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")
+    accelerator.print(f"validation top-1 accuracy {accuracy:.4f}; model saved to {args.output_dir}")
+    publish_run(accelerator, args, results, lambda: image_card(args, unwrapped, results), title=str(args.output_dir))
+    accelerator.end_training()
+    return accuracy
+
+
+def image_sets(args, raw):
+    """The training images (augmented) and the validation images (resized and cropped), decoded as they are read."""
     train_transform, eval_transform = build_transforms(args)
     train_set = with_transform(raw["train"], train_transform, args.image_column, args.label_column, args.seed,
                                skip_bad=args.skip_bad_examples)
     validation_set = with_transform(raw["validation"], eval_transform, args.image_column, args.label_column,
                                     skip_bad=args.skip_bad_examples)
-    model = build_model(args, names)
-    mixup = build_mixup(args, len(names))
+    return train_set, validation_set
 
+
+def scale_learning_rate(args, accelerator) -> int:
+    """DeiT's linear scaling rule (--lr_scaling_batch): the learning rates scaled by the global batch; returns it."""
     global_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    if args.lr_scaling_batch:  # DeiT's linear scaling rule
+    if args.lr_scaling_batch:
         args.learning_rate = args.learning_rate * global_batch / args.lr_scaling_batch
         args.min_learning_rate = args.min_learning_rate * global_batch / args.lr_scaling_batch
-    loader = train_loader(train_set, args.per_device_train_batch_size, args.seed, collate_fn=collate_images)
-    validation_loader = eval_loader(validation_set, args.per_device_eval_batch_size, accelerator, collate_images)
-    run = prepare_run(accelerator, args, model, loader, "train_image_classification",
-                      optimizer=build_optimizer(model, args, no_decay_name_parts=VISION_NO_DECAY))
-    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
-    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
-    accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(names)} classes, {len(train_set)} training images, "
-                      f"global batch {global_batch}, lr {args.learning_rate:.3g}, {max_steps} steps, "
-                      f"{accelerator.num_processes} process(es)")
-    progress = progress_bar(accelerator, max_steps, step)
+    return global_batch
+
+
+def train(accelerator, args, run, mixup, num_labels: int, validation_loader) -> int:
+    """The training loop from the run's start step (Mixup/CutMix or label smoothing); the last step."""
+    model, step = run.model, run.start_step
+    progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
+    for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
         pixels, labels = batch["pixel_values"], batch["labels"]
         if mixup is not None:
             pixels, targets = mixup(pixels, labels)
         else:
-            targets = smoothed_one_hot(labels, len(names), args.label_smoothing)
-        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss, guard)
+            targets = smoothed_one_hot(labels, num_labels, args.label_smoothing)
+        loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
+                             lambda x=pixels, y=targets: model(pixel_values=x, labels=y).loss, run.guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
         step += 1
         progress.update(1)
-        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        record = training_record(accelerator, args, step, run.max_steps, train_loss, run.scheduler, started, progress)
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_accuracy"] = evaluate_top1(model, validation_loader, accelerator, args.max_eval_batches)
-        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
-        if step >= max_steps:
+        log_and_checkpoint(accelerator, args, Path(args.output_dir), step, record, run.guard)
+        if step >= run.max_steps:
             break
     progress.close()
-
-    accuracy = evaluate_top1(model, validation_loader, accelerator, args.max_eval_batches)
-    results = {"eval_accuracy": accuracy, "eval_split": "validation", "num_eval_images": len(validation_set),
-               "train_steps": step, "num_labels": len(names), "num_parameters": n_params,
-               "learning_rate": args.learning_rate, "global_batch_size": global_batch,
-               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
-    accelerator.log({"eval_accuracy": accuracy}, step=step)
-    unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=image_processor(args))
-    results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")
-    accelerator.print(f"validation top-1 accuracy {accuracy:.4f}; model saved to {output_dir}")
-    publish_run(accelerator, args, results, lambda: image_card(args, unwrapped, results), title=str(output_dir))
-    accelerator.end_training()
-    return accuracy
+    return step
 
 
 def image_card(args, model, results: dict):

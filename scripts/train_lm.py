@@ -27,6 +27,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,74 +177,110 @@ def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
     check_arguments(args)
     check_resumed_lora(args)
-    output_dir = Path(args.output_dir)
     accelerator = build_accelerator(args, "train_lm")
     set_seed(args.seed)
+    tokenizer, data, model = build_data_and_model(args, accelerator)
+    heldout_loader = eval_loader(data.heldout, args.per_device_eval_batch_size, accelerator)
+    run = prepare_run(accelerator, args, model, train_loader(data.train, args.per_device_train_batch_size, args.seed),
+                      "train_lm")
+    record_lora_settings(accelerator, args)
+    report_start(accelerator, args, run, data)
+    step, last_eval, seconds = train(accelerator, args, run, heldout_loader)
+    results = final_results(accelerator, args, run, data, heldout_loader, step, last_eval, seconds)
+    save_and_publish(accelerator, args, run.model, tokenizer, results)
+    accelerator.end_training()
+    return results["eval_bits_per_dim"]
 
+
+class LMData(NamedTuple):
+    """The training, held-out and test sets (test: enwik8 only) and their sequence length."""
+
+    train: object
+    heldout: object
+    test: object | None
+    sequence_length: int
+
+
+def build_data_and_model(args, accelerator):
+    """The tokenizer, the data sets (built once per machine) and the model (with its LoRA adapters, if asked for)."""
     tokenizer, byte_level = load_tokenizer(args)
     with accelerator.main_process_first():  # `datasets` caches are built once
-        train_set, heldout_set, test_set, sequence_length = load_datasets(args, tokenizer, byte_level)
+        data = LMData(*load_datasets(args, tokenizer, byte_level))
     vocab_size = PIXEL_VOCAB_SIZE if args.corpus == "imagenet64" else len(tokenizer)
-    model = build_model(args, sequence_length, vocab_size, tokenizer)
-    if model.config.max_position_embeddings < sequence_length:
-        raise ValueError(f"sequences of {sequence_length} tokens exceed the model's max_position_embeddings="
+    model = build_model(args, data.sequence_length, vocab_size, tokenizer)
+    if model.config.max_position_embeddings < data.sequence_length:
+        raise ValueError(f"sequences of {data.sequence_length} tokens exceed the model's max_position_embeddings="
                          f"{model.config.max_position_embeddings}; lower --block_size.")
     if lora_enabled(args):  # before the optimizer is built: it takes the parameters that train, the adapters
         model = add_lora(model, args)
+    return tokenizer, data, model
 
-    heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
-    run = prepare_run(accelerator, args, model, train_loader(train_set, args.per_device_train_batch_size, args.seed),
-                      "train_lm")
-    record_lora_settings(accelerator, args)
-    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
-    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
+
+def report_start(accelerator, args, run, data: LMData) -> None:
     if lora_enabled(args):
-        accelerator.print(f"LoRA r={args.lora_r}: {trainable_parameters(model):,} trainable adapter parameters")
-    accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(train_set)} training sequences of {sequence_length} "
-                      f"tokens, {len(heldout_set)} held-out, {max_steps} steps, {accelerator.num_processes} "
-                      "process(es)")
-    progress = progress_bar(accelerator, max_steps, step)
+        accelerator.print(f"LoRA r={args.lora_r}: {trainable_parameters(run.model):,} trainable adapter parameters")
+    accelerator.print(f"{run.num_parameters / 1e6:.2f}M parameters, {len(data.train)} training sequences of "
+                      f"{data.sequence_length} tokens, {len(data.heldout)} held-out, {run.max_steps} steps, "
+                      f"{accelerator.num_processes} process(es)")
+
+
+def train(accelerator, args, run, heldout_loader) -> tuple[int, tuple[int, float] | None, float]:
+    """The training loop from the run's start step: (the last step, (step, bits/dim) of the newest evaluation or
+    None, seconds spent)."""
+    model, step = run.model, run.start_step
+    progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    last_eval = None  # (step, bits/dim) of the newest evaluation in the loop
-    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
-        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
+    last_eval = None
+    for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
+        loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
                              lambda b=batch: model(input_ids=b["input_ids"],
-                                                   labels=b.get("labels", b["input_ids"])).loss, guard)
+                                                   labels=b.get("labels", b["input_ids"])).loss, run.guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
         step += 1
         progress.update(1)
-        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        record = training_record(accelerator, args, step, run.max_steps, train_loss, run.scheduler, started, progress)
         if "train_loss" in record:
             record["train_bits_per_dim"] = record["train_loss"] / math.log(2)
         if args.eval_steps and step % args.eval_steps == 0:
             record["eval_bits_per_dim"] = evaluate_bits_per_dim(model, heldout_loader, accelerator,
                                                                 args.max_eval_batches)
             last_eval = (step, record["eval_bits_per_dim"])
-        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
-        if step >= max_steps:
+        log_and_checkpoint(accelerator, args, Path(args.output_dir), step, record, run.guard)
+        if step >= run.max_steps:
             break
     progress.close()
+    return step, last_eval, round(time.time() - started, 1)
 
+
+def final_results(accelerator, args, run, data: LMData, heldout_loader, step: int, last_eval,
+                  train_seconds: float) -> dict:
     if last_eval is not None and last_eval[0] == step:  # the last step was an evaluation step: don't repeat it
         eval_bpd = last_eval[1]
     else:
-        eval_bpd = evaluate_bits_per_dim(model, heldout_loader, accelerator, args.max_eval_batches)
+        eval_bpd = evaluate_bits_per_dim(run.model, heldout_loader, accelerator, args.max_eval_batches)
     results = {"eval_bits_per_dim": eval_bpd, "train_steps": step, "corpus": args.corpus,
-               "sequence_length": sequence_length, "num_parameters": n_params,
-               "num_train_sequences": len(train_set), "num_passkey_sequences": count_passkey_blocks(train_set),
-               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
-    if test_set is not None:
-        test_loader = eval_loader(test_set, args.per_device_eval_batch_size, accelerator)
-        results["test_bits_per_dim"] = evaluate_bits_per_dim(model, test_loader, accelerator, args.max_eval_batches)
+               "sequence_length": data.sequence_length, "num_parameters": run.num_parameters,
+               "num_train_sequences": len(data.train), "num_passkey_sequences": count_passkey_blocks(data.train),
+               "train_seconds": train_seconds, "num_processes": accelerator.num_processes}
+    if data.test is not None:
+        test_loader = eval_loader(data.test, args.per_device_eval_batch_size, accelerator)
+        results["test_bits_per_dim"] = evaluate_bits_per_dim(run.model, test_loader, accelerator,
+                                                             args.max_eval_batches)
     if args.corpus == "imagenet64":
         results["image_size"] = args.image_size
     accelerator.log({k: v for k, v in results.items() if k.endswith("bits_per_dim")}, step=step)
+    return results
+
+
+def save_and_publish(accelerator, args, model, tokenizer, results: dict) -> None:
+    """The final model (LoRA adapters merged into a plain checkpoint), its card and Hub upload, and a sample."""
+    output_dir = Path(args.output_dir)
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if lora_enabled(args):  # the saved model is a plain checkpoint: the adapters merged into the weights
+    if lora_enabled(args):
         results["lora_trainable_parameters"] = trainable_parameters(plain_model)
         model = plain_model = merge_lora(plain_model)
         results["num_parameters"] = sum(p.numel() for p in plain_model.parameters())
@@ -253,14 +290,12 @@ def main(argv=None):
         tokenizer.model_max_length = plain_model.config.max_position_embeddings
     unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")  # also right for fine-tuning
-    accelerator.print(f"held-out bits/dim: {eval_bpd:.4f}"
+    accelerator.print(f"held-out bits/dim: {results['eval_bits_per_dim']:.4f}"
                       + (f", test bits/dim: {results['test_bits_per_dim']:.4f}" if "test_bits_per_dim" in results
                          else "") + f"; model saved to {output_dir}")
     publish_run(accelerator, args, results, lambda: lm_card(args, unwrapped, results), title=str(output_dir))
     if accelerator.is_main_process and args.sample_tokens and tokenizer is not None:
         accelerator.print("sample:", repr(sample(output_dir, args.sample_prompt, args.sample_tokens)))
-    accelerator.end_training()
-    return eval_bpd
 
 
 def lm_card(args, model, results: dict):

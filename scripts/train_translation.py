@@ -174,10 +174,28 @@ def evaluate_bleu(model, loader, tokenizer, accelerator, refs: list[str], max_ba
 def main(argv=None):
     args = parse_with_recipe(build_parser(), argv)
     check_arguments(args)
-    output_dir = Path(args.output_dir)
     accelerator = build_accelerator(args, "train_translation")
     set_seed(args.seed)
+    raw, tokenizer, tokenized, model = build_data_and_model(args, accelerator)
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100,
+                                      pad_to_multiple_of=8 if args.mixed_precision != "no" else None)
+    validation = eval_loader(tokenized["validation"], args.per_device_eval_batch_size, accelerator, collator)
+    run = prepare_run(accelerator, args, model, train_loader(tokenized["train"], args.per_device_train_batch_size,
+                                                             args.seed, collate_fn=collator), "train_translation")
+    accelerator.print(f"{run.num_parameters / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
+                      f"{len(tokenized['train'])} training pairs, {run.max_steps} steps, "
+                      f"{accelerator.num_processes} process(es)")
+    started = time.time()
+    step = train(accelerator, args, run, tokenizer, validation, references(raw["validation"], args.target_lang))
+    results, hypotheses = final_evaluation(accelerator, args, run, raw, tokenized, tokenizer, collator, step)
+    results["train_seconds"] = round(time.time() - started, 1)
+    save_and_publish(accelerator, args, run.model, tokenizer, results, hypotheses)
+    accelerator.end_training()
+    return results
 
+
+def build_data_and_model(args, accelerator):
+    """The parallel corpus, its tokenizer (trained here unless given), the tokenised pairs and the model."""
     with accelerator.main_process_first():
         raw = load_parallel_corpus(args)
     tokenizer = load_or_train_tokenizer(args, raw, accelerator)
@@ -185,59 +203,63 @@ def main(argv=None):
         tokenized = tokenize_pairs(raw, tokenizer, args)
     model = build_model(args, tokenizer)
     set_decoding_defaults(model, args, tokenizer)
-    pad_id, start_id = model.config.pad_token_id, model.config.decoder_start_token_id
+    return raw, tokenizer, tokenized, model
 
-    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100,
-                                      pad_to_multiple_of=8 if args.mixed_precision != "no" else None)
-    loader = train_loader(tokenized["train"], args.per_device_train_batch_size, args.seed, collate_fn=collator)
-    validation_loader = eval_loader(tokenized["validation"], args.per_device_eval_batch_size, accelerator, collator)
-    validation_refs = references(raw["validation"], args.target_lang)
-    run = prepare_run(accelerator, args, model, loader, "train_translation")
-    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
-    step, max_steps, n_params = run.start_step, run.max_steps, run.num_parameters
-    accelerator.print(f"{n_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, {len(tokenized['train'])} "
-                      f"training pairs, {max_steps} steps, {accelerator.num_processes} process(es)")
-    progress = progress_bar(accelerator, max_steps, step)
+
+def train(accelerator, args, run, tokenizer, validation_loader, validation_refs) -> int:
+    """The training loop from the run's start step (label-smoothed loss, BLEU every --eval_steps); the last step."""
+    model, step = run.model, run.start_step
+    pad_id, start_id = model.config.pad_token_id, model.config.decoder_start_token_id
+    progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
     started = time.time()
     model.train()
-    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
-        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id), guard)
+    for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
+        loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
+                             lambda b=batch: smoothed_loss(model, b, args.label_smoothing, pad_id, start_id),
+                             run.guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
         step += 1
         progress.update(1)
-        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started, progress)
+        record = training_record(accelerator, args, step, run.max_steps, train_loss, run.scheduler, started, progress)
         if args.eval_steps and step % args.eval_steps == 0:
             bleu, _ = evaluate_bleu(model, validation_loader, tokenizer, accelerator, validation_refs,
                                     args.max_eval_batches)
             record["eval_bleu"] = bleu["sacrebleu"]["score"]
-        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
-        if step >= max_steps:
+        log_and_checkpoint(accelerator, args, Path(args.output_dir), step, record, run.guard)
+        if step >= run.max_steps:
             break
     progress.close()
+    return step
 
-    averaged = average_last_checkpoints(accelerator, model, args, output_dir, step)
+
+def final_evaluation(accelerator, args, run, raw, tokenized, tokenizer, collator, step: int):
+    """Checkpoint averaging, then BLEU on --eval_split: (results, the hypotheses)."""
+    averaged = average_last_checkpoints(accelerator, run.model, args, Path(args.output_dir), step)
     eval_split = args.eval_split if args.eval_split in raw else "validation"
     final_loader = eval_loader(tokenized[eval_split], args.per_device_eval_batch_size, accelerator, collator)
-    bleu, hypotheses = evaluate_bleu(model, final_loader, tokenizer, accelerator,
+    bleu, hypotheses = evaluate_bleu(run.model, final_loader, tokenizer, accelerator,
                                      references(raw[eval_split], args.target_lang), args.max_eval_batches)
     results = {"eval_bleu": bleu["sacrebleu"]["score"], "bleu": bleu, "eval_split": eval_split,
                "num_sentences": len(hypotheses), "train_steps": step, "averaged_checkpoints": averaged,
-               "num_parameters": n_params, "vocab_size": len(tokenizer),
-               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
+               "num_parameters": run.num_parameters, "vocab_size": len(tokenizer),
+               "num_processes": accelerator.num_processes}
     accelerator.log({"eval_bleu": results["eval_bleu"]}, step=step)
+    return results, hypotheses
+
+
+def save_and_publish(accelerator, args, model, tokenizer, results: dict, hypotheses: list[str]) -> None:
+    output_dir = Path(args.output_dir)
     unwrapped = save_final_model(accelerator, model, output_dir, tokenizer=tokenizer)
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")
+    eval_split, bleu = results["eval_split"], results["bleu"]
     if accelerator.is_main_process:
         (output_dir / f"{eval_split}_translations.txt").write_text("\n".join(hypotheses) + "\n")
     accelerator.print(f"{eval_split} sacreBLEU {bleu['sacrebleu']['score']:.2f} ({bleu['sacrebleu']['signature']}), "
                       f"tokenised BLEU {bleu['tokenized_bleu']['score']:.2f}; model saved to {output_dir}")
     publish_run(accelerator, args, results, lambda: translation_card(args, unwrapped, results), title=str(output_dir))
-    accelerator.end_training()
-    return results
 
 
 def average_last_checkpoints(accelerator, model, args, output_dir: Path, step: int) -> int:

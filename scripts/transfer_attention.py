@@ -223,69 +223,27 @@ def main(argv=None):
             print(nothing_to_learn_message(args.student, kinds))
         return {"nothing_to_learn": True, "layer_kinds": kinds}
     check_resumed_models(args)
-    output_dir = Path(args.output_dir)
     accelerator = build_accelerator(args, "transfer_attention")
     set_seed(args.seed)
-
-    tokenizer = load_tokenizer(args)
-    with accelerator.main_process_first():  # `datasets` caches are built once
-        train_tokens, heldout_tokens = load_text_splits(args, tokenizer, is_byte_level(tokenizer))
-    train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, args.train_stride or args.block_size),
-                                    args.passkey_fraction, tokenizer, args.block_size, args.seed)
-    heldout_set = TokenBlocks(heldout_tokens, args.block_size)
+    tokenizer, train_set, heldout_set = build_data(args, accelerator)
     teacher, student = load_models(args, tokenizer)
     transfer = AttentionTransfer(teacher, student)
     # Neither model is a submodule of the transfer (accelerate moves only the trained parameters): place them here.
     teacher.to(accelerator.device)
     student.to(accelerator.device)
-
     heldout_loader = eval_loader(heldout_set, args.per_device_eval_batch_size, accelerator)
-
-    def evaluate() -> list[float]:
-        with accelerator.autocast():
-            return evaluate_transfer(transfer, heldout_loader, accelerator, args.max_eval_batches)
-
-    before = evaluate()  # the converted student's own parameters, also when resuming (the checkpoint loads later)
+    before = evaluate_on(accelerator, args, transfer, heldout_loader)  # the converted student's (also on resume)
     run = prepare_run(accelerator, args, transfer, train_loader(train_set, args.per_device_train_batch_size,
                                                                 args.seed), "transfer_attention",
                       trained_model=student, started_from=args.student)
-    model, optimizer, loader, scheduler, guard = run.model, run.optimizer, run.loader, run.scheduler, run.guard
-    step, max_steps = run.start_step, run.max_steps
-    if accelerator.is_main_process:  # after prepare_run, which empties a folder that --overwrite_output_dir reuses
-        write_json(output_dir / TRANSFER_ARGS_FILE, {name: getattr(args, name) for name in TRANSFER_FIXED})
-        record_outputs(output_dir, [TRANSFER_ARGS_FILE])
+    record_transfer_settings(accelerator, args)
     skipped = [i for i in range(len(kinds)) if i not in transfer.layers]
     accelerator.print(f"transferring layers {list(transfer.layers)} ({transfer.num_trained_parameters:,} trained "
                       f"parameters); layers {skipped} have nothing of their own to learn. {len(train_set)} training "
-                      f"sequences of {args.block_size} tokens, {len(heldout_set)} held-out, {max_steps} steps, "
+                      f"sequences of {args.block_size} tokens, {len(heldout_set)} held-out, {run.max_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
-    progress = progress_bar(accelerator, max_steps, step, desc="transfer")
-    train_loss = RunningMean()
-    started = time.time()
-    model.train()
-    for batch in guard.watch(train_batches(accelerator, loader, step)) if step < max_steps else ():
-        loss = training_step(accelerator, model, optimizer, scheduler, args.max_grad_norm,
-                             lambda b=batch: model(b["input_ids"], b.get("attention_mask")).loss, guard)
-        train_loss.add(loss)
-        if not accelerator.sync_gradients:
-            continue
-        step += 1
-        progress.update(1)
-        # No progress bar here: it would show the loss with 3 decimals, and attention-output MSEs are often smaller.
-        record = training_record(accelerator, args, step, max_steps, train_loss, scheduler, started)
-        if record.get("train_loss") is not None:
-            progress.set_postfix(loss=f"{record['train_loss']:.4g}")
-        if args.eval_steps and step % args.eval_steps == 0:
-            per_layer = evaluate()
-            record["eval_transfer_loss"] = sum(per_layer) / len(per_layer)
-            record.update({f"eval_transfer_loss_layer{layer}": value
-                           for layer, value in zip(transfer.layers, per_layer, strict=True)})
-        log_and_checkpoint(accelerator, args, output_dir, step, record, guard)
-        if step >= max_steps:
-            break
-    progress.close()
-
-    after = evaluate()
+    step, seconds = train(accelerator, args, run, transfer, heldout_loader)
+    after = evaluate_on(accelerator, args, transfer, heldout_loader)
     results = {
         "teacher": args.teacher, "student": args.student, "layer_kinds": kinds,
         "transferred_layers": list(transfer.layers), "skipped_layers": skipped,
@@ -295,9 +253,72 @@ def main(argv=None):
         "train_steps": step, "num_trained_parameters": transfer.num_trained_parameters,
         "num_train_sequences": len(train_set), "num_heldout_sequences": len(heldout_set),
         "num_passkey_sequences": count_passkey_blocks(train_set),
-        "sequence_length": args.block_size, "train_seconds": round(time.time() - started, 1),
-        "num_processes": accelerator.num_processes,
+        "sequence_length": args.block_size, "train_seconds": seconds, "num_processes": accelerator.num_processes,
     }
+    save_results(accelerator, args, student, tokenizer, results, step)
+    accelerator.end_training()
+    return results
+
+
+def build_data(args, accelerator):
+    """The tokenizer (both models read its ids) and the training and held-out blocks (with passkey sequences)."""
+    tokenizer = load_tokenizer(args)
+    with accelerator.main_process_first():  # `datasets` caches are built once
+        train_tokens, heldout_tokens = load_text_splits(args, tokenizer, is_byte_level(tokenizer))
+    train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, args.train_stride or args.block_size),
+                                    args.passkey_fraction, tokenizer, args.block_size, args.seed)
+    return tokenizer, train_set, TokenBlocks(heldout_tokens, args.block_size)
+
+
+def evaluate_on(accelerator, args, transfer, heldout_loader) -> list[float]:
+    """The held-out transfer loss of each transferred layer."""
+    with accelerator.autocast():
+        return evaluate_transfer(transfer, heldout_loader, accelerator, args.max_eval_batches)
+
+
+def record_transfer_settings(accelerator, args) -> None:
+    """The two models beside the run's record (after prepare_run, which empties a folder --overwrite_output_dir
+    reuses): a resumed transfer must keep them."""
+    if accelerator.is_main_process:
+        output_dir = Path(args.output_dir)
+        write_json(output_dir / TRANSFER_ARGS_FILE, {name: getattr(args, name) for name in TRANSFER_FIXED})
+        record_outputs(output_dir, [TRANSFER_ARGS_FILE])
+
+
+def train(accelerator, args, run, transfer, heldout_loader) -> tuple[int, float]:
+    """The transfer loop from the run's start step: (the last step, seconds spent)."""
+    model, step = run.model, run.start_step
+    progress = progress_bar(accelerator, run.max_steps, step, desc="transfer")
+    train_loss = RunningMean()
+    started = time.time()
+    model.train()
+    for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
+        loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
+                             lambda b=batch: model(b["input_ids"], b.get("attention_mask")).loss, run.guard)
+        train_loss.add(loss)
+        if not accelerator.sync_gradients:
+            continue
+        step += 1
+        progress.update(1)
+        # No progress bar here: it would show the loss with 3 decimals, and attention-output MSEs are often smaller.
+        record = training_record(accelerator, args, step, run.max_steps, train_loss, run.scheduler, started)
+        if record.get("train_loss") is not None:
+            progress.set_postfix(loss=f"{record['train_loss']:.4g}")
+        if args.eval_steps and step % args.eval_steps == 0:
+            per_layer = evaluate_on(accelerator, args, transfer, heldout_loader)
+            record["eval_transfer_loss"] = sum(per_layer) / len(per_layer)
+            record.update({f"eval_transfer_loss_layer{layer}": value
+                           for layer, value in zip(transfer.layers, per_layer, strict=True)})
+        log_and_checkpoint(accelerator, args, Path(args.output_dir), step, record, run.guard)
+        if step >= run.max_steps:
+            break
+    progress.close()
+    return step, round(time.time() - started, 1)
+
+
+def save_results(accelerator, args, student, tokenizer, results: dict, step: int) -> None:
+    """The transferred student (with the tokenizer), the results, arguments and curves, recorded in the run."""
+    output_dir = Path(args.output_dir)
     accelerator.log({"transfer_loss_before": results["transfer_loss_before"],
                      "transfer_loss_after": results["transfer_loss_after"]}, step=step)
     tokenizer.model_max_length = student.config.max_position_embeddings
@@ -307,13 +328,11 @@ def main(argv=None):
         write_json(output_dir / ARGS_FILE, {k: v for k, v in vars(args).items() if k != "hub_token"})
         plot_curves(output_dir / METRICS_FILE, output_dir / "curves.png", title=str(output_dir))
         record_outputs(output_dir)
-    accelerator.print(f"held-out transfer loss (mean MSE over layers {list(transfer.layers)}): "
+    accelerator.print(f"held-out transfer loss (mean MSE over layers {results['transferred_layers']}): "
                       f"{results['transfer_loss_before']:.4g} -> {results['transfer_loss_after']:.4g}; model saved "
                       f"to {output_dir}. Next: fine-tune it with scripts/train_lm.py --model_name_or_path "
                       f"{output_dir}")
     accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return results
 
 
 if __name__ == "__main__":

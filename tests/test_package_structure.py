@@ -108,3 +108,16 @@ def test_every_flag_is_spelt_with_underscores():
                         first.value.startswith("--") and "-" in first.value[2:]:
                     hyphenated.append(f"{path.relative_to(root)}:{node.lineno} {first.value}")
     assert hyphenated == []
+
+
+def test_every_scripts_main_reads_on_one_screen():
+    """A script's `main` names the steps it runs (functions of their own); 50 lines at most."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    long_mains = {}
+    for path in sorted(root.glob("scripts/*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main" and node.end_lineno - node.lineno >= 50:
+                long_mains[path.name] = node.end_lineno - node.lineno + 1
+    assert long_mains == {}

@@ -41,6 +41,7 @@ from attnzoo.modeling.attention.random_features import log_features_at
 from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
     beyond_window,
+    combine,
     dense_near_and_far,
     gather_tokens,
     left_align,
@@ -52,7 +53,6 @@ from attnzoo.modeling.attention.window_linear import (
     WindowedLinearForward,
     add_far_key,
     blocked_far_part,
-    combine,
     far_key_mask,
     far_sums,
     keys_far_from,

@@ -14,8 +14,9 @@ The far part is LSH's multi-round bucket attention (candidates as the `lsh_atten
 them, rounds combined through their log-sum-exps with the duplicate correction, Appendix A) with every key of near(i)
 removed, so a key in both the window and the query's bucket is counted once, in the window. It yields out_far and its
 log-sum-exp lse_far; the near part is an exact softmax with lse_near, and the two combine as
-out = softmax([lse_near, lse_far]) · [out_near, out_far], written as one softmax over the window's scores plus one
-entry lse_far whose value is out_far. This is content-addressed retrieval of exact tokens from anywhere in the context
+out = softmax([lse_near, lse_far]) · [out_near, out_far]: the window's scores and a far part of mass exp(lse_far)
+and value out_far under the one normalisation every windowed layer shares (`window.combine`). This is content-addressed
+retrieval of exact tokens from anywhere in the context
 (the passkey retrieval task of "Landmark Attention", arXiv 2305.16300) beside an exact local window with attention
 sinks ("Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453, §3.2). With the "bucket" setting
 a far key is found when, in some round, it is among the K = lsh_num_chunks_before · lsh_chunk_length most recent keys
@@ -38,7 +39,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
 from attnzoo.modeling.attention.lsh import LSHAttention
@@ -51,6 +51,7 @@ from attnzoo.modeling.attention.lsh_hashing import (
 from attnzoo.modeling.attention.window import (
     WindowInsideLayer,
     beyond_window,
+    combine,
     dense_near_and_far,
     gather_tokens,
     left_align,
@@ -128,8 +129,8 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
         return restore_order(out, order)
 
     def _with_window(self, qk, v, n_real, far_out, far_lse):
-        """One softmax over the window's scores (left-aligned rows) and the far part, entered as one more key whose
-        score is lse_far and whose value is out_far."""
+        """The one normalisation (`window.combine`) over the window's scores (left-aligned rows) and the far part: its
+        output out_far with mass exp(lse_far)."""
         batch, heads, length, dim = qk.shape
         w = self.window_size
         scores, values = window_scores(qk, normalize_keys(qk), v, n_real, w, self.sinks, True, 1.0)  # [B,H,C,w,K]
@@ -139,10 +140,8 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
         own = torch.arange(num_keys, device=qk.device)[None, :] == own_column[:, None]  # [w, K]
         scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
         far_out = pad_to_multiple(far_out, w, dim=2).view(batch, heads, blocks, w, dim)
-        far_lse = pad_to_multiple(far_lse, w, dim=2).view(batch, heads, blocks, w, 1)
-        probs = torch.cat([scores, far_lse], dim=-1).softmax(-1)
-        near_probs = F.dropout(probs[..., :-1], self.dropout_rate) if self.dropout_rate > 0 else probs[..., :-1]
-        out = torch.einsum("bhcqk,bhckd->bhcqd", near_probs, values) + probs[..., -1:] * far_out
+        far_lse = pad_to_multiple(far_lse, w, dim=2).view(batch, heads, blocks, w)
+        out = combine(scores, values, far_out, torch.ones_like(far_lse), far_lse, self.dropout_rate, self.training)
         return out.reshape(batch, heads, blocks * w, dim)[:, :, :length]
 
     # -- decoding -------------------------------------------------------------------------------------------

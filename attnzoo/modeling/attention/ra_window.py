@@ -20,8 +20,9 @@ f_n(ω) = Σ_{m∈F(n)} softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m, whose expe
     out_n = (Σ_{m∈near(n)} exp(s_nm) v_m + Z_n · mean_s f_n(ω_ns)) / (Σ_{m∈near(n)} exp(s_nm) + Z_n),
     ω_ns ~ p_n (RA's "unbiased" variant) or ω_ns = q̂_n + Σ_F π_nm k̂_m (+ noise; RA's "biased" variant, Eq. 31),
 
-computed as one softmax over the near keys' scores and one extra logit log Z_n (a log-sum-exp over the far keys)
-whose value is mean_s f_n(ω_ns). Only the far values are estimated: the split of the attention mass between the
+computed by the one normalisation every windowed layer shares (`window.combine`): the near keys' scores and a far
+part of mass Z_n (log Z_n, a log-sum-exp over the far keys) and value mean_s f_n(ω_ns). Only the far values are
+estimated: the split of the attention mass between the
 window and the far keys is exact, the layer is exact softmax wherever the window reaches (a query with no far key
 has no far part), and it is the window-plus-global layer of LoLCATs (arXiv 2410.10254, §3.2) with RA as the global
 part and StreamingLLM's sinks ("Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
@@ -40,7 +41,7 @@ import torch
 
 from attnzoo.modeling.attention.base import register_attention
 from attnzoo.modeling.attention.randomized import RandomizedAttention, randomized_aggregate
-from attnzoo.modeling.attention.window import WindowInsideLayer, beyond_window
+from attnzoo.modeling.attention.window import WindowInsideLayer, beyond_window, combine
 
 
 def real_positions(key_mask: torch.Tensor | None, batch: int, keys: int, device) -> torch.Tensor:
@@ -83,9 +84,9 @@ class WindowedRandomizedAttention(WindowInsideLayer, RandomizedAttention):
         # log Z_n over the far keys; −inf (no far part) for a query without any
         log_far_mass = torch.where(far.any(-1), scores.masked_fill(~sampled, float("-inf")).logsumexp(-1),
                                    float("-inf"))
-        # one softmax over the near keys and the far part's logit log Z_n
-        probs = torch.cat([scores.masked_fill(~near, float("-inf")), log_far_mass.unsqueeze(-1)], -1).softmax(-1)
-        out = probs[..., :-1] @ v + probs[..., -1:] * far_value
+        # the one normalisation: the near keys' exact weights and the far part, mass Z_n = exp(log Z_n), value f
+        out = combine(scores.masked_fill(~near, float("-inf")), v, far_value, torch.ones_like(log_far_mass),
+                      log_far_mass)
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):

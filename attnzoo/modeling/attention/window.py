@@ -59,6 +59,27 @@ def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[to
     return earlier & ~far, far
 
 
+def combine(scores: torch.Tensor, values: torch.Tensor, far_num: torch.Tensor, far_den: torch.Tensor,
+            far_scale: torch.Tensor, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The one normalisation of every windowed layer: the exact near part (scores [..., Q, K], disallowed keys at the
+    dtype's most negative value or -inf; values [..., K, e]) and the far part, given per query as a numerator
+    [..., Q, e], a denominator [..., Q] and their common log scale [..., Q]:
+
+        out = (Σ_near exp(s) v + exp(c) far_num) / (Σ_near exp(s) + exp(c) far_den).
+
+    A far part that is itself normalised (LSH's bucket attention, RA's far values) gives far_den = 1 and its
+    log-sum-exp as c; a query without far keys gives c = -inf. `dropout` applies to the near weights in training (the
+    far part's draws are its own)."""
+    top = torch.maximum(scores.amax(-1), far_scale).detach()
+    near = torch.exp(scores - top[..., None])
+    far = torch.exp(far_scale - top)
+    denominator = near.sum(-1) + far * far_den
+    if dropout > 0.0 and training:
+        near = F.dropout(near / denominator[..., None], dropout) * denominator[..., None]
+    numerator = torch.einsum("...qk,...ke->...qe", near, values) + far[..., None] * far_num
+    return numerator / denominator[..., None]
+
+
 def left_align(valid: torch.Tensor) -> torch.Tensor:
     """[B, L] permutation that moves each row's real tokens to the front, in order (stable)."""
     return torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)

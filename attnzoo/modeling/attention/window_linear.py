@@ -24,8 +24,8 @@ keys' b_jp (detached). Block c's keys enter as exp(b_jp − E_cp) <= 1, the pref
 exp(E_bp − E_cp) <= 1 (`decayed_cumsum`), and the levels are folded into the query side:
 exp(a_ip + E_(c−1)p − t_i) with t_i = max_p (a_ip + E_(c−1)p), so every factor is at most 1 and κ_ij =
 exp(t_i) · (the stabilised product). t_i is returned as the far part's log scale and cancels in the one
-normalisation (`combine`). A per-feature level keeps a feature whose keys are all small from being flushed to 0 by
-another feature's large key (as one maximum over all features would), and the running maximum lets no output
+normalisation (`window.combine`). A per-feature level keeps a feature whose keys are all small from being flushed to 0
+by another feature's large key (as one maximum over all features would), and the running maximum lets no output
 depend on a later token, not even through rounding (docs/random_feature_attention.md, section 2).
 
 Decoding keeps per-feature sums over the keys that have left the window (`far_sums`, `add_far_key`, `read_far`),
@@ -135,18 +135,6 @@ def blocked_far_part(log_q: torch.Tensor, log_k: torch.Tensor, v: torch.Tensor, 
     cross = torch.einsum("bhcqp,bhckp->bhcqk", phi_q_prev, prev_k) * lower
     far = torch.einsum("bhcqp,bhpce->bhcqe", phi_q_prefix, prefix) + cross @ prev_v
     return far[..., :-1], far[..., -1], top
-
-
-def combine(scores: torch.Tensor, values: torch.Tensor, far_num: torch.Tensor, far_den: torch.Tensor,
-            far_scale: torch.Tensor) -> torch.Tensor:
-    """One normalisation over the window part (scores [..., Q, K] with disallowed keys at the dtype's most negative
-    value, values [..., K, e]) and the far part (numerator [..., Q, e], denominator [..., Q] and their common log
-    scale [..., Q])."""
-    top = torch.maximum(scores.amax(-1), far_scale).detach()
-    near = torch.exp(scores - top[..., None])
-    far = torch.exp(far_scale - top)
-    numerator = torch.einsum("...qk,...ke->...qe", near, values) + far[..., None] * far_num
-    return numerator / (near.sum(-1) + far * far_den)[..., None]
 
 
 # -- decoding -------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the uptraining benchmarks' run helpers
 
-from harness import write_between_markers  # noqa: E402
+from harness import cache_state_bytes, write_between_markers  # noqa: E402
 from llama_uptraining import has_own_parameters, save_llama_source_init  # noqa: E402
 from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, train  # noqa: E402
 
@@ -119,18 +119,6 @@ def check_arguments(args) -> None:
 
 
 # -- measurements -------------------------------------------------------------------------------------------------
-def _tensor_bytes(value) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 def decode_state_bytes(folder: Path, lengths: list[int], seed: int) -> dict[str, int]:
     """Bytes the decoding cache holds (every tensor of every layer, float32) after a prefill of each length: what
     generation keeps per sequence. A recurrent or windowed state stays the same size; a KV cache grows."""
@@ -147,7 +135,7 @@ def decode_state_bytes(folder: Path, lengths: list[int], seed: int) -> dict[str,
         ids = torch.randint(0, model.config.vocab_size, (1, length), generator=generator)
         with torch.no_grad():
             cache = output_cache(model(ids, use_cache=True))
-        sizes[str(length)] = sum(_tensor_bytes(vars(layer)) for layer in cache.layers)
+        sizes[str(length)] = cache_state_bytes(cache)
     return sizes
 
 

@@ -11,9 +11,10 @@ Models: the shared backbone at the same sizes for every family (`--hidden_size` 
 `--num_heads` 4 of 64, feed-forward 4 x hidden, vocabulary 256, dropout 0, `--dtype` float32), each family with
 its config's own defaults otherwise: softmax (SDPA), reformer (local + LSH layers, 2 hash rounds, chunks of 64,
 reversible, axial positions), performer (FAVOR+, 256 features), ra, lara (causal LARA), window (64 + 4 sinks),
-and, in a hybrid config, every layer `favor_window` or `lsh_window` (`--families`; `hybrid`, the hybrid family's
-own FAVOR+/softmax stack, can be added). Each model's `max_position_embeddings` is the context plus the decoded
-tokens (so the Reformer's LSH bucket count is the paper's 2 x length / chunk at each context).
+and, in a hybrid config, every layer one windowed kind: `favor_window`, `lara_window`, `ra_window` or `lsh_window`
+(`--families`; `hybrid`, the hybrid family's own FAVOR+/softmax stack, can be added). Each model's
+`max_position_embeddings` is the context plus the decoded tokens (so the Reformer's LSH bucket count is the paper's
+2 x length / chunk at each context).
 
 Baselines, measured in the same run at every (batch, context):
 - `softmax_static`: attnzoo's softmax model decoding from transformers' `StaticCache`, preallocated to context +
@@ -33,6 +34,8 @@ Measures, per (implementation, batch, context), in a fresh worker process (`benc
   (`logits_to_keep=1`), after a 64-token forward without a cache that warms the libraries up;
 - `ms_per_token`: median over `--new_tokens` greedy steps (one token per row, the cache passed to `forward`, the
   argmax of the step's logits fed back) after `--warmup_tokens` untimed steps, each step between device syncs;
+- `state_bytes`: the bytes of every tensor the cache holds after the prefill (exact, on any device): the decoding
+  state itself, beside the allocator's figures;
 - memory above the weights and inputs: CUDA: `prefill_peak_MiB` (`max_memory_allocated` during the prefill),
   `cache_MiB` (allocated after it, i.e. the cache), `decode_peak_MiB` (`max_memory_allocated` during the decoding
   steps: the cache plus one step's working memory). CPU: resident-set growth (`harness.rss_peak_mib` for the
@@ -80,7 +83,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import rss_peak_mib, run_worker, step_seconds, sync  # noqa: E402
+from harness import cache_state_bytes, rss_peak_mib, run_worker, step_seconds, sync  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -94,6 +97,8 @@ FAMILIES = {
     "lara": ("attnzoo_lara", {}),
     "window": ("attnzoo_window", {}),
     "favor_window": ("attnzoo_hybrid", {"attn_layers": ["favor_window"]}),
+    "lara_window": ("attnzoo_hybrid", {"attn_layers": ["lara_window"]}),
+    "ra_window": ("attnzoo_hybrid", {"attn_layers": ["ra_window"]}),
     "lsh_window": ("attnzoo_hybrid", {"attn_layers": ["lsh_window"]}),
     "hybrid": ("attnzoo_hybrid", {}),
 }
@@ -268,6 +273,7 @@ def measure(job: dict) -> dict:
             # the process's peak so far over what it held before (ru_maxrss and statm count pages differently)
             row["prefill_peak_MiB"] = max(0.0, rss_peak_mib() - base)
         row["cache_MiB"] = held_mib(device) - base
+        row["state_bytes"] = cache_state_bytes(cache)  # exact: every tensor the cache holds, whatever the device
         row["cache_class"] = f"{type(cache).__name__}[{type(cache.layers[0]).__name__}]"
 
         def forward_step(token, cache):

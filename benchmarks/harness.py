@@ -77,3 +77,22 @@ def write_between_markers(path, start: str, end: str, body: str) -> None:
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     path.write_text(f"{head}{start}\n{body}\n{end}{tail}")
+
+
+def tensor_bytes(value) -> int:
+    """The bytes of the tensors in `value` (a tensor, or dicts, lists and tuples of them)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def cache_state_bytes(cache) -> int:
+    """Bytes a decoding cache holds: every tensor of every layer (its attributes, and their dicts and lists), what
+    generation keeps per batch. A recurrent or windowed state stays the same size; a KV cache grows."""
+    return sum(tensor_bytes(vars(layer)) for layer in cache.layers)

@@ -42,6 +42,11 @@ def test_tiny_run_measures_every_family_on_its_cached_path(tiny_report):
         assert len(row["decoded_tokens"]) == key[1] and all(len(t) == 3 for t in row["decoded_tokens"])
         assert row["matches_full_forward"], (key, row["decoded_tokens"], row["full_forward_tokens"])
         assert row["max_abs_logit_difference"] < 1e-4
+    # the decoding state's exact bytes: bounded states stay the same size, a KV cache grows with the context
+    for impl in ("performer", "window", "favor_window"):
+        assert rows[(impl, 1, 64)]["state_bytes"] == rows[(impl, 1, 128)]["state_bytes"] > 0, impl
+    for impl in ("softmax", "ra_window", "lara_window", "lsh_window"):
+        assert rows[(impl, 1, 128)]["state_bytes"] > rows[(impl, 1, 64)]["state_bytes"] > 0, impl
     assert rows[("gpt2_static", 1, 64)]["cache_class"] == "StaticCache[StaticLayer]"
     assert rows[("performer", 1, 64)]["cache_class"] == "ZooCache[RecurrentStateLayer]"
 

@@ -340,6 +340,39 @@ def run_jobs(jobs: list[dict]) -> list[dict]:
 
 
 # -- the sweep ------------------------------------------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+TABLE_START, TABLE_END = "<!-- decoding table: start -->", "<!-- decoding table: end -->"
+
+
+def _tokens(count: int) -> str:
+    return f"{count // 1024}K" if count % 1024 == 0 else str(count)
+
+
+def decoding_table(report: dict) -> str:
+    """docs/benchmarks.md's decoding table, from a results file: per implementation, the time per token at each
+    (batch, context) and the decoding state's bytes at batch 1, each run's status where it did not finish."""
+    rows = {(r["impl"], r["batch"], r["context"]): r for r in report["rows"]}
+    impls = list(dict.fromkeys(r["impl"] for r in report["rows"]))
+    batches = sorted({r["batch"] for r in report["rows"]})
+    contexts = sorted({r["context"] for r in report["rows"]})
+
+    def cell(key, value):
+        row = rows.get(key)
+        if row is None:
+            return "not run"
+        return value(row) if row.get("status") == "ok" else row.get("status", "failed")
+
+    head = ["implementation"] + [f"ms/token, batch {b}, {_tokens(c)}" for b in batches for c in contexts] + \
+        [f"state MiB, batch {batches[0]}, {_tokens(c)}" for c in contexts]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for impl in impls:
+        cells = [f"`{impl}`"]
+        cells += [cell((impl, b, c), lambda r: f"{r['ms_per_token']:.2f}") for b in batches for c in contexts]
+        cells += [cell((impl, batches[0], c), lambda r: f"{r['state_bytes'] / 2**20:.1f}") for c in contexts]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -374,9 +407,20 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run: tiny model, contexts 64 and 128, "
                                                       "batch 1 and 2, 3 new tokens, one worker")
     p.add_argument("--output", type=Path, help="default: benchmarks/results/decoding_speed_<device>.json")
+    p.add_argument("--docs_only", action="store_true",
+                   help="write docs/benchmarks.md's decoding table from the results file (--output) and run nothing")
+    p.add_argument("--docs", type=Path, default=DOCS, help=argparse.SUPPRESS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
+        return args
+    if args.docs_only:
+        others = [flag for flag in ("tiny", "merge", "compiled_static", "families", "contexts", "batch_sizes")
+                  if getattr(args, flag)]
+        if others:
+            raise ValueError(f"--docs_only writes docs/benchmarks.md's table from a results file and runs nothing; "
+                             f"drop {', '.join('--' + f for f in others)}, or drop --docs_only.")
+        args.output = args.output or RESULTS / f"decoding_speed_{args.device.split(':')[0]}.json"
         return args
     defaults = TINY if args.tiny else FULL
     for name, value in defaults.items():
@@ -519,6 +563,13 @@ def main(argv=None):
     if args.worker:
         print(json.dumps({"rows": run_jobs(json.loads(args.worker))}))
         return None
+    if args.docs_only:
+        from harness import write_between_markers
+
+        report = json.loads(args.output.read_text())
+        write_between_markers(args.docs, TABLE_START, TABLE_END, decoding_table(report))
+        print(f"wrote the decoding table of {args.output} into {args.docs}")
+        return report
 
     import transformers
 

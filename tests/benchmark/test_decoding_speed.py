@@ -149,3 +149,21 @@ def test_summary_skips_missing_rows_and_merge_replaces_re_run_ones(tmp_path):
 def test_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         decoding.parse_args(argv)
+
+
+def test_the_docs_table_is_written_from_a_results_file(tiny_report, tmp_path):
+    """docs/benchmarks.md's decoding table comes from a results file (`--docs_only`), never typed in."""
+    report, out = tiny_report
+    table = decoding.decoding_table(report)
+    lines = table.splitlines()
+    assert lines[0].startswith("| implementation | ms/token, batch 1, 64 |")
+    assert len(lines) == 2 + len(report["models"])
+    row = {(r["impl"], r["batch"], r["context"]): r for r in report["rows"]}[("performer", 2, 128)]
+    performer = next(line for line in lines if line.startswith("| `performer` |"))
+    assert f"{row['ms_per_token']:.2f}" in performer.split(" | ")
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"before\n{decoding.TABLE_START}\nold\n{decoding.TABLE_END}\nafter\n")
+    decoding.main(["--docs_only", "--output", str(out), "--docs", str(docs)])
+    assert docs.read_text() == f"before\n{decoding.TABLE_START}\n{table}\n{decoding.TABLE_END}\nafter\n"
+    with pytest.raises(ValueError, match="--docs_only"):
+        decoding.main(["--docs_only", "--tiny"])

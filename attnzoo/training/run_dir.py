@@ -31,8 +31,6 @@ MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json
 LEGACY_RUN_FILES = ("all_results.json", "training_args.json", "curves.png", "README.md", "generation_config.json",
                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "transfer_args.json",
                     "lora_args.json", "eval_results.json", "train_results.json", "trainer_state.json")
-
-
 #: the flag that names the model a script starts from (for the advice to train a folder's model elsewhere)
 START_FLAGS = {"transfer_attention": "--student"}
 #: what a run's checkpoints folder holds: its own step folders (and a save's staging or replaced copy)

@@ -34,15 +34,14 @@ def check_model_source(name: str | Path, flag: str = "--model_name_or_path") -> 
 
 
 def _check_weights(folder: Path, flag: str) -> None:
-    from safetensors import safe_open
+    """The check `from_pretrained` of attnzoo's models makes on failure (`safetensors_problem`), made first."""
+    from attnzoo.modeling.base_models import safetensors_problem
 
     for weights in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(weights, framework="pt"):
-                pass
-        except Exception as error:  # safetensors raises its own error type for every malformed file
-            raise ValueError(f"{flag} {folder}: {weights.name} is damaged ({error}); it was probably cut short "
-                             "while being written or copied. Copy or save it again.") from error
+        problem = safetensors_problem(weights)
+        if problem:
+            raise ValueError(f"{flag} {folder}: {weights.name} is damaged ({problem}): cut short or corrupted while "
+                             "being written or copied. Copy or save it again.")
 
 
 @contextmanager

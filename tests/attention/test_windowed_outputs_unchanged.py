@@ -1,6 +1,7 @@
 """The windowed attentions compute what they computed before their rewrite into an exact near part and a pluggable
 far part: every case of `tests/attention/windowed_outputs.py` (fast path, reference forward, input gradient, a
-decoder's full and token-by-token logits, float64) equals the outputs saved from the earlier code to 1e-12."""
+decoder's full and token-by-token logits, float64) equals the outputs saved from the earlier code to 1e-12, with the
+weights saved beside them loaded under their saved names."""
 
 import pytest
 import torch
@@ -16,7 +17,11 @@ def saved():
 @pytest.mark.parametrize("name", list(CASES))
 def test_outputs_equal_those_of_the_code_before_the_rewrite(name, saved):
     kind, settings = CASES[name]
-    now = {**layer_outputs(kind, settings), **decoder_outputs(kind, settings)}
-    assert now.keys() == saved[name].keys()
+    before = saved[name]
+    now = {**layer_outputs(kind, settings, before["layer_weights"]),
+           **decoder_outputs(kind, settings, before["model_weights"])}
+    assert now.keys() == before.keys()
     for output, value in now.items():
-        torch.testing.assert_close(value, saved[name][output], rtol=0, atol=1e-12, msg=f"{name}: {output}")
+        if output.endswith("_weights"):
+            continue
+        torch.testing.assert_close(value, before[output], rtol=0, atol=1e-12, msg=f"{name}: {output}")

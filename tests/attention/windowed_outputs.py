@@ -5,7 +5,10 @@ fast path's input gradient, and a 2-layer decoder's logits, full and decoded tok
 
     python -m tests.attention.windowed_outputs   # writes tests/attention/saved_outputs/windowed_outputs.pt
 
-was run once on the code before the rewrite (commit 1eeb7c8's windowed layers); the file it wrote is the reference.
+was run on the code before the rewrite (commit 1eeb7c8's windowed layers, first; then again with the weights saved
+beside the outputs, on code that still matched those outputs to 1e-12). The file it wrote is the reference. The
+weights travel with it, so the comparison does not depend on the order in which a rewritten layer creates its
+parameters; their names must not change (a checkpoint saved before the rewrite loads into the layers after it).
 """
 
 from __future__ import annotations
@@ -42,10 +45,14 @@ def case_config(kind: str, settings: dict) -> ZooHybridConfig:
     return ZooHybridConfig(**{**SHARED, **settings, "attn_layers": [kind]})
 
 
-def layer_outputs(kind: str, settings: dict) -> dict[str, torch.Tensor]:
+def layer_outputs(kind: str, settings: dict, weights: dict | None = None) -> dict[str, torch.Tensor]:
+    """The layer's outputs, with `weights` (a saved state dict) loaded when given; "layer_weights" holds the ones
+    used."""
     torch.manual_seed(0)
     attn = build_attention(kind, case_config(kind, settings), 0, True).double().eval()
-    if hasattr(attn, "init_buffers"):
+    if weights is not None:
+        attn.load_state_dict(weights)
+    elif hasattr(attn, "init_buffers"):
         attn.init_buffers()
     x = torch.randn(2, 19, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     mask = torch.ones(2, 19, dtype=torch.bool)
@@ -55,12 +62,16 @@ def layer_outputs(kind: str, settings: dict) -> dict[str, torch.Tensor]:
     fast = attn(x, attention_mask=mask, position_ids=positions) * real
     reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions) * real
     (gradient,) = torch.autograd.grad(fast.square().sum(), x)
-    return {"fast": fast.detach(), "reference": reference.detach(), "gradient": gradient}
+    return {"fast": fast.detach(), "reference": reference.detach(), "gradient": gradient,
+            "layer_weights": {name: t.detach().clone() for name, t in attn.state_dict().items()}}
 
 
-def decoder_outputs(kind: str, settings: dict) -> dict[str, torch.Tensor]:
+def decoder_outputs(kind: str, settings: dict, weights: dict | None = None) -> dict[str, torch.Tensor]:
+    """A 2-layer decoder's logits, with `weights` loaded when given; "model_weights" holds the ones used."""
     torch.manual_seed(0)
     model = ZooHybridForCausalLM(case_config(kind, settings)).double().eval()
+    if weights is not None:
+        model.load_state_dict(weights)
     ids = torch.randint(1, 37, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
@@ -72,7 +83,8 @@ def decoder_outputs(kind: str, settings: dict) -> dict[str, torch.Tensor]:
             out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
             steps.append(out.logits)
     real = mask.bool()[..., None]
-    return {"full_logits": full * real, "decoded_logits": torch.cat(steps, 1) * real}
+    return {"full_logits": full * real, "decoded_logits": torch.cat(steps, 1) * real,
+            "model_weights": {name: t.detach().clone() for name, t in model.state_dict().items()}}
 
 
 def compute_outputs() -> dict[str, dict[str, torch.Tensor]]:

@@ -93,6 +93,15 @@ class SelfManagedCacheLayer(CacheLayerMixin):
             self._map(lambda t: t.to(self.device, non_blocking=True))
 
 
+def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, needed: int) -> torch.Tensor:
+    """store [B, h, N, d] with x [B, h, 1, d] written at token `index` [B] of each row; `needed` (a host number, so
+    no step waits for the device) bounds index + 1. The store grows by doubling, so appending a token does not copy
+    the whole store at every step."""
+    if needed > store.shape[2]:
+        store = torch.nn.functional.pad(store, (0, 0, 0, max(needed, 2 * store.shape[2]) - store.shape[2]))
+    return store.scatter(2, index[:, None, None, None].expand(-1, store.shape[1], 1, store.shape[3]), x)
+
+
 class RecurrentStateLayer(SelfManagedCacheLayer):
     """A cache slot for attentions that decode from a fixed-size state instead of stored keys and values
     (linear attention's S and z, say). `state` holds tensors with a leading batch dimension, which beam search

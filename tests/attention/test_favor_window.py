@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from attnzoo import ZooHybridConfig
 from attnzoo.modeling.attention import build_attention
-from attnzoo.modeling.attention.window import WindowStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
 
@@ -75,7 +75,7 @@ def test_decoding_state_is_bounded_and_equals_the_full_forward():
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
         slot = output_cache(out).layers[0]
-        assert isinstance(slot, WindowStateLayer)
+        assert type(slot) is RecurrentStateLayer
         sizes.add(sum(t.numel() for t in slot.state.values()))
     assert len(sizes) == 1  # the state does not grow with the context
     real = mask.bool()[..., None]

@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from attnzoo import ZooHybridConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation, build_attention
-from attnzoo.modeling.attention.lsh import LSHAttention
+from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
-from attnzoo.modeling.cache import TokenBufferLayer
+from attnzoo.modeling.attention.window import left_align, restore_order
+from attnzoo.modeling.cache import RecurrentStateLayer
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     assert_same_values_and_gradients,
@@ -51,10 +52,12 @@ def left_padded(batch=2, length=LENGTH, padding=5):
 
 def candidates_beyond_the_window(attn, buckets, mask):
     """[B, H, L] whether LSH lists a far key for the query in some round ("bucket" window: a key of its bucket at
-    most K sorted slots before it; far: real, not a sink, at least W real positions before it)."""
+    most K sorted slots before it; far: real, not a sink, at least W real positions before it), from the buckets the
+    forward saved (rows left-aligned), read back in the tokens' own order."""
+    buckets = restore_order(buckets.transpose(2, 3), left_align(mask)).transpose(2, 3)
     slots = inverse_permutation(sort_by_bucket(buckets))
     slot_gap = slots[..., None, :] - slots[..., :, None]
-    listed = ((buckets[..., None, :] == buckets[..., :, None]) & (slot_gap >= -attn.recent_size)
+    listed = ((buckets[..., None, :] == buckets[..., :, None]) & (slot_gap >= -attn.far.recent_size)
               & (slot_gap <= 0)).any(dim=2)
     position = mask.long().cumsum(-1) - 1
     far = ((position[:, :, None] - position[:, None, :] >= attn.window_size) & (position[:, None, :] >= attn.sinks)
@@ -64,7 +67,8 @@ def candidates_beyond_the_window(attn, buckets, mask):
 
 def window_and_sinks_only(attn, x, mask, positions):
     """The layer without its far part: shared-QK softmax over the window and the sinks, own key penalised."""
-    qk, v = attn._project(x, positions)
+    qk, _, v = attn.far.project(x, positions)
+    v = attn.expand_kv(v)
     position = mask.long().cumsum(-1) - 1
     gap = position[:, :, None] - position[:, None, :]
     earlier = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()[None] & mask[:, None, :]
@@ -140,7 +144,8 @@ def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, 48, 32, dtype=torch.float64, generator=generator)
     x[0, 40] = x[0, 5] = 400 * torch.randn(32, dtype=torch.float64, generator=generator)
-    _, v = attn._project(x)
+    _, _, v = attn.far.project(x)
+    v = attn.expand_kv(v)
     recalled = attn.output(attn.merge_heads(v[:, :, 5:6]))[0, 0]
     mask = torch.ones(1, 48, dtype=torch.bool)
     got = attn(x)[0, 40]
@@ -149,7 +154,7 @@ def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
 
 
 @pytest.mark.parametrize("correction", [True, False])
-def test_decoding_reads_the_window_from_lsh_cache_and_equals_the_full_forward(correction):
+def test_decoding_keeps_one_key_and_value_per_token_and_equals_the_full_forward(correction):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(lsh_duplicate_correction=correction)).double().eval()
     ids = torch.randint(1, 37, (2, 30))
@@ -158,25 +163,23 @@ def test_decoding_reads_the_window_from_lsh_cache_and_equals_the_full_forward(co
     full = model(ids, attention_mask=mask).logits
     out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
     steps = [out.logits]
+    ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
     for t in range(6, 24):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
         slot = output_cache(out).layers[0]
-        # The state is LSH's own: every token's shared-QK vector, value, buckets and validity (one more per token)
-        # and per-sequence rotations, bucket lists of a fixed size and the padding lead; the window part reads the
-        # sinks and the last W tokens from those and stores nothing of its own.
-        assert isinstance(slot, TokenBufferLayer) and slot.get_seq_length() == t + 1
-        assert set(slot.buffers) == {"keys", "values", "buckets", "valid"}
-        assert set(slot.sequence) == {"rotations", "recent", "lead"}
-        assert slot.sequence["recent"].shape == (2, 4, 2, 4 + 1, 4)  # [B, H, rounds, buckets + padding, K]
+        # The window's ring, and LSH's far state: every real token's shared-QK vector and value at its position
+        # (values with their key/value heads), the prefill's rotations and the bucket lists of a fixed size.
+        assert type(slot) is RecurrentStateLayer and slot.get_seq_length() == t + 1
+        assert set(slot.state) == ring | {"lsh_keys", "lsh_values", "lsh_rotations", "lsh_recent"}
+        assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
+        assert t + 1 <= slot.state["lsh_keys"].shape[2] <= 2 * (t + 1)  # real tokens, room to grow by doubling
+        assert slot.state["lsh_values"].shape[1] == 2  # key/value heads, not repeated
+        assert slot.state["lsh_recent"].shape == (2, 4, 2, 4 + 1, 4)  # [B, H, rounds, buckets + padding, K]
     cache = output_cache(out)
     steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
-    # the plain "lsh" layer keeps the same cache: the window adds no store
-    lsh_cache = output_cache(AutoModelForCausalLM.from_config(config(attn_layers=["lsh"])).eval()(
-        ids[:, :6], attention_mask=mask[:, :6], use_cache=True)).layers[0]
-    assert set(lsh_cache.buffers) == set(slot.buffers) and set(lsh_cache.sequence) == set(slot.sequence)
 
 
 def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatch):
@@ -187,8 +190,9 @@ def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatc
     model = model.double().train()
     windowed_layers = [m for m in model.modules() if isinstance(m, WindowedLSHAttention)]
     hash_calls = []
-    real_hash = LSHAttention.hash_vectors
-    monkeypatch.setattr(LSHAttention, "hash_vectors", lambda self, *a: hash_calls.append(self) or real_hash(self, *a))
+    real_hash = LSHBuckets.hash_vectors  # the far part's hashing, as the "lsh" attention's (`self` is the far part)
+    monkeypatch.setattr(LSHBuckets, "hash_vectors",
+                        lambda self, *a: hash_calls.append(self.layer) or real_hash(self, *a))
     ids = torch.randint(2, 37, (2, 14))
     results = []
     for use_reversible_backward in (True, False):

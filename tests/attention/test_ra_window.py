@@ -11,13 +11,12 @@ import math
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import DynamicLayer
 
 from attnzoo import ZooHybridConfig
 from attnzoo.modeling.attention import build_attention
-from attnzoo.modeling.attention.base import allowed_keys
-from attnzoo.modeling.attention.ra_window import WindowedRandomizedAttention, keys_to_sample, near_and_far_keys
+from attnzoo.modeling.attention.ra_window import WindowedRAAttention, keys_to_sample
 from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_omega
+from attnzoo.modeling.attention.window import dense_near_and_far
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     assert_same_values_and_gradients,
@@ -52,8 +51,8 @@ def left_padded_batch(length=17, pad=5, seed=0):
 def far_set(n=12, window=3, sinks=2):
     """The far keys [1, 1, n, n] of n causal queries without padding (window 3, 2 sinks): every query from
     position 5 on has some."""
-    near, far = near_and_far_keys(allowed_keys(None, n, n, True, "cpu"), None, window, sinks)
-    return far
+    _, far = dense_near_and_far(torch.ones(1, n, dtype=torch.bool), window, sinks)
+    return far[:, None]
 
 
 def test_density_ratio_of_the_far_mixture_is_the_far_normaliser_at_every_omega():
@@ -181,10 +180,9 @@ def test_far_part_converges_to_softmax_as_samples_grow_with_the_papers_noise_onl
 
 # -- decoding, saving, generating ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", ["unbiased", "biased"])
-def test_cached_decoding_equals_the_full_forward_with_only_ras_kv_cache(variant):
-    """The decoding state is RA's own: a transformers DynamicLayer of every cached token's (rotated, unrepeated)
-    keys and values, which the window part reads through the tokens' positions; it adds nothing that grows (nor
-    anything else): the slot holds exactly two [batch, kv_heads, tokens, head_dim] tensors."""
+def test_cached_decoding_equals_the_full_forward_with_the_ring_and_a_kv_cache(variant):
+    """The decoding state is the window's ring (the sinks and the last W tokens) plus RA's KV cache: every real
+    token's (rotated, unrepeated) key and value at its position, as a KV cache keeps them, and nothing else."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(ra_variant=variant)).double().eval()
     ids = torch.randint(1, 37, (2, 30))
@@ -193,14 +191,15 @@ def test_cached_decoding_equals_the_full_forward_with_only_ras_kv_cache(variant)
     full = model(ids, attention_mask=mask).logits
     out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
     steps = [out.logits]
+    ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
     for t in range(6, 30):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
-        slot = output_cache(out).layers[0]
-        assert type(slot) is DynamicLayer
-        tensors = {name: value for name, value in vars(slot).items() if torch.is_tensor(value)}
-        assert set(tensors) == {"keys", "values"}
-        assert all(value.shape == (2, 2, t + 1, 8) for value in tensors.values())
+        state = output_cache(out).layers[0].state
+        assert set(state) == ring | {"ra_k", "ra_v"}
+        assert state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
+        for name in ("ra_k", "ra_v"):  # real tokens only, with spare room: a store grows by doubling
+            assert state[name].shape[:2] == (2, 2) and t + 1 <= state[name].shape[2] <= 2 * (t + 1)
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
 
@@ -209,7 +208,7 @@ def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config()).eval()
     loaded = saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=10)
-    assert all(isinstance(block.attn, WindowedRandomizedAttention) for block in loaded.model.transformer.blocks)
+    assert all(isinstance(block.attn, WindowedRAAttention) for block in loaded.model.transformer.blocks)
     assert loaded.model.transformer.blocks[0].attn.own_parameters() == []  # RA learns nothing of its own
 
 

@@ -50,7 +50,8 @@ def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
 @pytest.mark.slow
 def test_the_page_runs_as_written_and_the_checkpoint_loads_without_attnzoo(tmp_path):
     blocks = doc_blocks()
-    assert list(blocks) == ["temperature_attention.py", "train_and_save.py", "load_and_generate.py"]
+    assert list(blocks) == ["temperature_attention.py", "train_and_save.py", "load_and_generate.py",
+                            "elu_far_part.py"]  # the last one: tests/models/test_adding_a_far_part.py
     for name, code in blocks.items():
         (tmp_path / name).write_text(code, encoding="utf-8")
     run(blocks["train_and_save.py"], tmp_path)

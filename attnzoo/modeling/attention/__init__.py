@@ -20,11 +20,14 @@ from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
 from attnzoo.modeling.attention.randomized import RandomizedAttention
 from attnzoo.modeling.attention.softmax import SoftmaxAttention, SoftmaxCrossAttention, softmax_attention_reference
+from attnzoo.modeling.attention.windowed import FAR_PART_REGISTRY, FarPart, WindowedAttention, register_far_part
 
 __all__ = [
     "ATTENTION_REGISTRY",
     "DrawsPerForward",
     "EluAttention",
+    "FAR_PART_REGISTRY",
+    "FarPart",
     "FavorAttention",
     "InitialisesBuffers",
     "KernelAttention",
@@ -36,9 +39,11 @@ __all__ = [
     "SoftmaxAttention",
     "SoftmaxCrossAttention",
     "UsesRecomputation",
+    "WindowedAttention",
     "ZooAttention",
     "build_attention",
     "register_attention",
+    "register_far_part",
     "softmax_attention_reference",
 ]
 

@@ -11,6 +11,18 @@ from attnzoo.modeling.attention.base import UsesRecomputation, ZooAttention, con
 from attnzoo.modeling.cache import StaticTokenBufferLayer, TokenBufferLayer
 
 
+def head_projection(attn: ZooAttention, into_heads: bool = True, key_value: bool = False) -> nn.Linear:
+    """A Reformer-style projection of `attn` (its config, widths and heads): hidden_size -> heads x head_dim
+    (`key_value`: the `num_key_value_heads` heads of keys and values), or back, for the output projection."""
+    config = attn.config
+    if not into_heads:
+        bias = getattr(config, "attention_output_bias", None)
+        return nn.Linear(attn.num_heads * attn.head_dim, attn.hidden_size,
+                         bias=config.attention_bias if bias is None else bias)
+    heads = attn.num_kv_heads if key_value else attn.num_heads
+    return nn.Linear(attn.hidden_size, heads * attn.head_dim, bias=config.attention_bias)
+
+
 class ChunkedAttention(UsesRecomputation, ZooAttention):
     family_config = "ZooReformerConfig"
     projection_names = ("query", "key", "value", "query_key", "output")
@@ -26,12 +38,7 @@ class ChunkedAttention(UsesRecomputation, ZooAttention):
     def projection(self, into_heads: bool = True, key_value: bool = False) -> nn.Linear:
         """hidden_size -> heads x head_dim (`key_value`: the `num_key_value_heads` heads of keys and values), or
         back, for the output projection."""
-        if not into_heads:
-            bias = getattr(self.config, "attention_output_bias", None)
-            return nn.Linear(self.inner_size, self.hidden_size,
-                             bias=self.config.attention_bias if bias is None else bias)
-        heads = self.num_kv_heads if key_value else self.num_heads
-        return nn.Linear(self.hidden_size, heads * self.head_dim, bias=self.config.attention_bias)
+        return head_projection(self, into_heads, key_value)
 
     @property
     def dropout_rate(self) -> float:

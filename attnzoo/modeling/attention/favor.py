@@ -113,79 +113,83 @@ class KernelAttention(ZooAttention):
         return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
 
-@register_attention("favor")
-class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
-    """Performer's FAVOR+: exp(q̂·k̂) estimated with positive (or hyperbolic) random features.
+class FavorProjection:
+    """FAVOR+'s random projection and its policy (`feature_redraw`), for a module that keeps the projection's tensors
+    on `projection_owner` (the attention itself, or the windowed layer a FAVOR+ far part serves):
+    "every_step" draws new features for every training forward (the RA/LARA paper's set-up), "interval" every
+    `feature_redraw_interval` training forwards (performer-pytorch's), "fixed" never, "learned" trains one
+    (`learned_projection`, a parameter). Evaluation uses `eval_projection` (or the learned one), saved with the
+    checkpoint, so a reloaded model gives identical outputs. Features are drawn per head, shared across the batch.
+    Users of the mixin read `num_heads` and `head_dim` and call `add_projection(config)` once."""
 
-    Projection policy (`feature_redraw`): "every_step" draws new features for every training forward (the RA/LARA
-    paper's set-up), "interval" every `feature_redraw_interval` training forwards (performer-pytorch's), "fixed"
-    never, "learned" trains one (`learned_projection`, a parameter). Evaluation uses `eval_projection` (or the
-    learned one), saved with the checkpoint, so a reloaded model gives identical outputs. Features are drawn per
-    head, shared across the batch.
-    """
+    @property
+    def projection_owner(self) -> nn.Module:
+        raise NotImplementedError
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        super().__init__(config, layer_idx, causal)
+    def add_projection(self, config) -> None:
         self.num_features = config.num_random_features
         self.hyperbolic = config.feature_map == "hyperbolic"
         self.orthogonal = config.orthogonal_features
         self.norm = config.feature_norm
         self.redraw = config.feature_redraw
         self.redraw_interval = config.feature_redraw_interval
+        owner = self.projection_owner
         shape = (self.num_heads, self.num_features, self.head_dim)
         # Filled by init_buffers() (from _init_weights) unless a checkpoint provides them.
         if self.redraw == "learned":  # one trained projection, in training and evaluation
-            self.learned_projection = nn.Parameter(torch.empty(shape))
+            owner.learned_projection = nn.Parameter(torch.empty(shape))
         else:
-            self.register_buffer("eval_projection", torch.empty(shape), persistent=True)
+            owner.register_buffer("eval_projection", torch.empty(shape), persistent=True)
         if self.redraw == "interval":
-            self.register_buffer("train_projection", torch.empty(shape), persistent=True)
-            self.register_buffer("redraw_counter", torch.zeros((), dtype=torch.long), persistent=True)
+            owner.register_buffer("train_projection", torch.empty(shape), persistent=True)
+            owner.register_buffer("redraw_counter", torch.zeros((), dtype=torch.long), persistent=True)
         self._step_projection = None  # this training step's draw ("every_step"), set by start_forward()
         self._calls = None  # a host copy of redraw_counter, so start_forward() never waits for the device
 
-    def init_buffers(self) -> None:
+    def init_projection(self) -> None:
+        owner = self.projection_owner
         if self.redraw == "learned":
-            init.copy_(self.learned_projection, self.draw_projection(self.learned_projection.device))
+            init.copy_(owner.learned_projection, self.draw_projection(owner.learned_projection.device))
             return
-        init.copy_(self.eval_projection, self.draw_projection(self.eval_projection.device))
+        init.copy_(owner.eval_projection, self.draw_projection(owner.eval_projection.device))
         if self.redraw == "interval":
-            init.copy_(self.train_projection, self.draw_projection(self.train_projection.device))
-            init.zeros_(self.redraw_counter)
+            init.copy_(owner.train_projection, self.draw_projection(owner.train_projection.device))
+            init.zeros_(owner.redraw_counter)
         self._calls = None
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    def projection_loaded(self) -> None:
         self._calls = None  # re-read the loaded counter (e.g. after accelerator.load_state)
 
     def draw_projection(self, device=None) -> torch.Tensor:
         return gaussian_projection((self.num_heads, self.num_features), self.head_dim, orthogonal=self.orthogonal,
                                    norm=self.norm, device=device)
 
-    def start_forward(self) -> None:
+    def start_projection_forward(self) -> None:
         """The training projection of this forward pass: a new draw ("every_step"), the interval's draw
         ("interval"), or none ("fixed" and evaluation use `eval_projection`)."""
-        if not self.training or self.redraw in ("fixed", "learned"):
+        owner = self.projection_owner
+        if not owner.training or self.redraw in ("fixed", "learned"):
             return
         if self.redraw == "every_step":
-            self._step_projection = self.draw_projection(self.eval_projection.device)
+            self._step_projection = self.draw_projection(owner.eval_projection.device)
         else:
             if self._calls is None:
-                self._calls = int(self.redraw_counter)  # once after construction or loading
+                self._calls = int(owner.redraw_counter)  # once after construction or loading
             if self._calls % self.redraw_interval == 0:
-                self.train_projection.copy_(self.draw_projection(self.train_projection.device))
+                owner.train_projection.copy_(self.draw_projection(owner.train_projection.device))
             self._calls += 1
-            self.redraw_counter.fill_(self._calls)
+            owner.redraw_counter.fill_(self._calls)
 
     def projection(self, layer: RecurrentStateLayer | None) -> torch.Tensor:
         if layer is not None and "projection" in layer.shared:  # one projection for a whole generation
             return layer.shared["projection"]
+        owner = self.projection_owner
         if self.redraw == "learned":
-            projection = self.learned_projection
-        elif not self.training or self.redraw == "fixed":
-            projection = self.eval_projection
+            projection = owner.learned_projection
+        elif not owner.training or self.redraw == "fixed":
+            projection = owner.eval_projection
         elif self.redraw == "interval":
-            projection = self.train_projection
+            projection = owner.train_projection
         elif self._step_projection is not None:
             projection = self._step_projection
         else:
@@ -194,6 +198,30 @@ class FavorAttention(DrawsPerForward, InitialisesBuffers, KernelAttention):
         if layer is not None:
             layer.shared["projection"] = projection
         return projection
+
+
+@register_attention("favor")
+class FavorAttention(FavorProjection, DrawsPerForward, InitialisesBuffers, KernelAttention):
+    """Performer's FAVOR+: exp(q̂·k̂) estimated with positive (or hyperbolic) random features, drawn and redrawn as
+    `FavorProjection` says."""
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal)
+        self.add_projection(config)
+
+    @property
+    def projection_owner(self) -> nn.Module:
+        return self
+
+    def start_forward(self) -> None:
+        self.start_projection_forward()
+
+    def init_buffers(self) -> None:
+        self.init_projection()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.projection_loaded()
 
     def log_features(self, x, layer=None):
         return log_positive_features(x, self.projection(layer), self.hyperbolic)

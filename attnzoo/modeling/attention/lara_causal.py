@@ -19,15 +19,16 @@ from torch import nn
 from attnzoo.modeling.attention.base import check_attention_mask, static_key_mask
 from attnzoo.modeling.attention.lara_base import LARABase
 from attnzoo.modeling.attention.random_features import log_features_at, running_max_key_features
-from attnzoo.modeling.cache import RecurrentStateLayer, StaticRecurrentStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer, StaticRecurrentStateLayer, write_at_rows
 from attnzoo.ops.decayed_linear_attention import decayed_linear_attention
 
 ALPHA_FLOOR = 1e-8  # the official code's clamp: the query-specific correction can make α negative
 
 
-class CausalLARA(LARABase):
-    """Causal LARA over `LARABase`'s settings, landmark transforms and draws; `LinearRandomizedAttention` adds the
-    bidirectional form and is the registered "lara"."""
+class CausalLARATerms:
+    """The causal estimator's features: `_causal_terms` (the parallel form's) and `_weights` (a decoding step's),
+    over `LARASettings` (chunk size, weighting, landmark transforms `landmark_q`/`landmark_k`, draws). Used by
+    `CausalLARA` and by the windowed layer's LARA far part."""
 
     def _causal_terms(self, q, k, v, n_real):
         """Features of the chunk-causal form for left-aligned q, k, v [B, H, N, d] with n_real real tokens per row:
@@ -72,6 +73,13 @@ class CausalLARA(LARABase):
         return {"log_a": log_alpha + log_q - own.unsqueeze(-2), "log_k": log_k, "omega": omega, "mu": mu,
                 "q_bar": q_bar, "token_valid": token_valid}
 
+    def _landmark_proposal(self, q_sum, k_sum):
+        """(ω, μ, q̄) of the proposal a completed chunk gives (Eq. 34), from its landmark sums [..., d]."""
+        scale = self.head_dim ** -0.25
+        q_bar = q_sum / self.chunk_size * scale
+        mu = q_bar + k_sum / self.chunk_size * scale
+        return self._draw(mu), mu, q_bar
+
     def _weights(self, q_hat, omega, mu, q_bar, available):
         """log a [B, H, T, P] for queries q̂ [B, H, T, d] given the proposals available to each (bool [B, T, P])."""
         log_q = log_features_at(q_hat, omega)
@@ -85,6 +93,11 @@ class CausalLARA(LARABase):
             alpha = alpha + self.alpha_coeff * (logits.softmax(-1) - 1.0 / count)
         log_alpha = alpha.clamp(min=ALPHA_FLOOR).log().masked_fill(~available[:, None], float("-inf"))
         return log_alpha + log_q - own
+
+
+class CausalLARA(CausalLARATerms, LARABase):
+    """Causal LARA over `LARABase`'s settings, landmark transforms and draws; `LinearRandomizedAttention` adds the
+    bidirectional form and is the registered "lara"."""
 
     def _causal(self, hidden_states, attention_mask, layer=None, position_ids=None):
         """The parallel (training) form; with `layer`, also the decoding state after these tokens (a prefill)."""
@@ -218,10 +231,8 @@ class CausalLARA(LARABase):
         """For every row, the proposal of the chunk its last `chunk_size` real tokens form (Eq. 34 from their landmark
         sums) with its prefix sums over the row's `counts` stored keys: (ω, μ, q̄ [B, H, d], s [B, H, e],
         z, c [B, H]). `_static_step` keeps it for the rows that just completed a chunk."""
-        chunk, scale = self.chunk_size, self.head_dim ** -0.25
-        q_bar = q_sum / chunk * scale
-        mu = q_bar + k_sum / chunk * scale
-        omega = self._draw(mu).clone()  # in evaluation the draw is μ itself: a cond branch's outputs must not alias
+        omega, mu, q_bar = self._landmark_proposal(q_sum, k_sum)
+        omega = omega.clone()  # in evaluation the draw is μ itself: a cond branch's outputs must not alias
         valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < counts[:, None]
         log_k = log_features_at(keys, omega.unsqueeze(2)).squeeze(-1).masked_fill(~valid[:, None], float("-inf"))
         c = log_k.amax(-1)
@@ -234,12 +245,9 @@ class CausalLARA(LARABase):
     def _add_proposals(self, layer, rows):
         """Proposals for rows that just completed a chunk: Eq. 34 from the chunk's landmarks, with prefix sums over
         every real key so far (O(n·d) once per chunk, from the stored keys)."""
-        chunk, scale = self.chunk_size, self.head_dim ** -0.25
-        state = layer.state
+        chunk, state = self.chunk_size, layer.state
         rows_t = torch.tensor(rows, device=state["s"].device)
-        q_bar = state["q_sum"][rows_t] / chunk * scale
-        mu = q_bar + state["k_sum"][rows_t] / chunk * scale
-        omega = self._draw(mu)
+        omega, mu, q_bar = self._landmark_proposal(state["q_sum"][rows_t], state["k_sum"][rows_t])
         keys, values = state["k_hat"][rows_t], state["v"][rows_t]
         length = torch.tensor([layer.counts[r] for r in rows], device=keys.device)
         valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < length[:, None]
@@ -287,18 +295,17 @@ class LaraStateLayer(RecurrentStateLayer):
         self.counts = counts.tolist()  # one host copy per prefill; decoding steps then never wait for the device
         self.store(positions, **tensors)
 
-    def append_token(self, k_hat, v, **tensors):
-        keys, values = self.state["k_hat"], self.state["v"]
+    def write_token(self, k_hat, v) -> None:
+        """Writes one token's key and value at each row's count (the store grows by doubling); the counts move on."""
+        index = torch.tensor(self.counts, device=k_hat.device)
         needed = max(self.counts) + 1
-        if needed > keys.shape[2]:
-            grow = max(needed, 2 * keys.shape[2]) - keys.shape[2]
-            keys = torch.nn.functional.pad(keys, (0, 0, 0, grow))
-            values = torch.nn.functional.pad(values, (0, 0, 0, grow))
-        index = torch.tensor(self.counts, device=keys.device)[:, None, None, None]
-        keys = keys.scatter(2, index.expand(-1, keys.shape[1], 1, keys.shape[3]), k_hat)
-        values = values.scatter(2, index.expand(-1, values.shape[1], 1, values.shape[3]), v)
+        self.state["k_hat"] = write_at_rows(self.state["k_hat"], index, k_hat, needed)
+        self.state["v"] = write_at_rows(self.state["v"], index, v, needed)
         self.counts = [n + 1 for n in self.counts]
-        self.store(1, k_hat=keys, v=values, **tensors)
+
+    def append_token(self, k_hat, v, **tensors):
+        self.write_token(k_hat, v)
+        self.store(1, **tensors)
 
     def set_proposals(self, rows, slots, **tensors):
         needed = max(slots) + 1

@@ -59,12 +59,14 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, rows.reshape(-1)).view(*index.shape, dim)
 
 
-@register_attention("lsh")
-class LSHAttention(ChunkedAttention):
-    """Shared-QK multi-round LSH self-attention; see the module docstring."""
+class LSHBuckets:
+    """LSH's hashing and its multi-round bucket attention, for the "lsh" attention and the windowed layer's LSH far
+    part: the settings (`read_lsh_settings`), the rotations, the buckets, `lsh_attention` and the decoding's bucket
+    lists. Users provide `training`, `causal`, `num_heads`, `head_dim`, `layer_idx`, `chunk_length`,
+    `chunks_before`, `chunks_after` and `dropout_rate`."""
 
     #: The `chunked_attention` backend of `lsh_attention` ("auto": the fused Triton kernels on CUDA). The fused
-    #: kernels read the `ChunkMask` fields themselves; a subclass whose `window_mask` returns a mask that allows fewer
+    #: kernels read the `ChunkMask` fields themselves; a user whose `window_mask` returns a mask that allows fewer
     #: keys through an overridden `ChunkMask.disallowed` (only the PyTorch path calls it) sets "torch".
     chunk_backend = "auto"
     #: With the "bucket" window a query's keys lie within `lsh_num_chunks_before` chunk lengths before it and
@@ -74,21 +76,13 @@ class LSHAttention(ChunkedAttention):
     #: a quarter fewer scores with one chunk back. 1 keeps the chunk grid.
     bucket_window_split = 2
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        super().__init__(config, layer_idx, causal, chunk_length=config.lsh_chunk_length,
-                         chunks_before=config.lsh_num_chunks_before, chunks_after=config.lsh_num_chunks_after,
-                         dropout=config.lsh_attention_probs_dropout_prob)
-        # Shared QK has one head per query head; grouped-query models group the values only.
-        self.query_key, self.value = self.projection(), self.projection(key_value=True)
-        self.output = self.projection(into_heads=False)
+    def read_lsh_settings(self, config) -> None:
         self.num_buckets = config.lsh_num_buckets
         self.num_hashes_train = config.lsh_num_hashes
         self.num_hashes_eval = config.lsh_num_hashes_eval or config.lsh_num_hashes
         self.hash_seed = config.lsh_hash_seed
         self.eval_seed = config.eval_seed
         self.max_positions = config.max_position_embeddings
-        threshold = config.lsh_full_attention_threshold
-        self.full_attention_threshold = self.chunk_length if threshold is None else threshold
         self.attend_to = config.lsh_attend_to
         self.duplicate_correction = config.lsh_duplicate_correction
 
@@ -133,6 +127,91 @@ class LSHAttention(ChunkedAttention):
         if valid is not None:
             buckets = buckets.masked_fill(~valid[:, None, None, :], math.prod(factors))
         return buckets
+
+    def window_mask(self, **fields) -> ChunkMask:
+        """The `ChunkMask` of `lsh_attention`'s chunks, from its fields; a subclass may allow fewer keys."""
+        return ChunkMask(**fields)
+
+    def _split_bucket_window(self, x) -> bool:
+        """Whether `lsh_attention` cuts its chunks by `bucket_window_split`: "bucket" window, PyTorch path of
+        `chunked_attention` on tensors like x, and no attention dropout (whose draws follow the window's shape)."""
+        split = self.bucket_window_split
+        if self.attend_to != "bucket" or split <= 1 or self.chunk_length % split or self.dropout_rate > 0.0:
+            return False
+        return self.chunk_backend == "torch" or (
+            self.chunk_backend == "auto" and resolve_backend("auto", x, "chunked_attention") == "torch")
+
+    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False):
+        """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
+        [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order. With `return_lse`, also the
+        [B, H, Lp] log-sum-exp of every query over all its rounds' keys (the log of the output's normaliser)."""
+        batch, heads, padded, dim = qk.shape
+        rounds = buckets.shape[2]
+        m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
+        band = (-before * m, after * m)  # the group band of the "bucket" window, in sorted slots
+        if self._split_bucket_window(qk):  # the same band, over finer chunks (see `bucket_window_split`)
+            split = self.bucket_window_split
+            m, before, after = m // split, before * split, after * split
+        chunks = padded // m
+        flat_order = order.reshape(batch, heads, rounds * padded)
+        q_sorted = gather_rows(qk, flat_order).view(batch * heads * rounds, chunks, m, dim)
+        v_sorted = gather_rows(v, flat_order).view(batch * heads * rounds, chunks, m, dim)
+        sorted_buckets = buckets.gather(-1, order)
+        slots = inverse_permutation(order)  # [B, H, R, Lp]: where each position sits in each round's sorted order
+
+        def chunked(x):
+            return x.reshape(batch * heads * rounds, chunks, m, *x.shape[4:])
+
+        groups = chunked(sorted_buckets) if self.attend_to == "bucket" else None
+        round_locations, round_band = None, (0, 0)
+        if self.duplicate_correction and rounds > 1:
+            # Where every position sits in every round, read in each round's sorted order: [B, H, R, Lp, R'].
+            if self.attend_to == "chunk":
+                locations, round_band = slots // m, (-before, after)
+            else:
+                locations, round_band = buckets * (2 * padded) + slots, band
+            per_position = locations.transpose(2, 3)  # [B, H, Lp, R']
+            index = order.reshape(batch, heads, rounds * padded, 1).expand(-1, -1, -1, rounds)
+            round_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
+        mask = self.window_mask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
+                                after=after, causal=self.causal, self_penalty=True, groups=groups,
+                                group_band=band, round_locations=round_locations, round_band=round_band)
+        out, lse = chunked_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
+                                      save_probs, backend=self.chunk_backend)
+        # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (Appendix A).
+        flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(
+            batch, heads, rounds * padded)
+        out = gather_rows(out.reshape(batch, heads, rounds * padded, dim), flat_slots)
+        out = out.view(batch, heads, rounds, padded, dim)
+        if rounds == 1 and not return_lse:
+            return out[:, :, 0]
+        lse = lse.reshape(batch, heads, rounds * padded).gather(2, flat_slots).view(batch, heads, rounds, padded)
+        if rounds == 1:
+            return out[:, :, 0], lse[:, :, 0]
+        weights = torch.softmax(lse, dim=2).unsqueeze(-1)
+        combined = (out * weights).sum(dim=2)
+        return (combined, lse.logsumexp(dim=2)) if return_lse else combined
+
+    @property
+    def recent_size(self) -> int:
+        """Keys per bucket a new token can see in a round: its window reaches chunks_before chunks back."""
+        return self.chunks_before * self.chunk_length
+
+
+@register_attention("lsh")
+class LSHAttention(LSHBuckets, ChunkedAttention):
+    """Shared-QK multi-round LSH self-attention; see the module docstring."""
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        super().__init__(config, layer_idx, causal, chunk_length=config.lsh_chunk_length,
+                         chunks_before=config.lsh_num_chunks_before, chunks_after=config.lsh_num_chunks_after,
+                         dropout=config.lsh_attention_probs_dropout_prob)
+        # Shared QK has one head per query head; grouped-query models group the values only.
+        self.query_key, self.value = self.projection(), self.projection(key_value=True)
+        self.output = self.projection(into_heads=False)
+        self.read_lsh_settings(config)
+        threshold = config.lsh_full_attention_threshold
+        self.full_attention_threshold = self.chunk_length if threshold is None else threshold
 
     def _project(self, hidden_states, position_ids=None, past: int = 0):
         """The shared query-key vectors (rotated in rotary models, before hashing: buckets then group vectors that
@@ -233,76 +312,7 @@ class LSHAttention(ChunkedAttention):
                                              scale=1.0)
         return out * has_key
 
-    def window_mask(self, **fields) -> ChunkMask:
-        """The `ChunkMask` of `lsh_attention`'s chunks, from its fields; a subclass may allow fewer keys."""
-        return ChunkMask(**fields)
-
-    def _split_bucket_window(self, x) -> bool:
-        """Whether `lsh_attention` cuts its chunks by `bucket_window_split`: "bucket" window, PyTorch path of
-        `chunked_attention` on tensors like x, and no attention dropout (whose draws follow the window's shape)."""
-        split = self.bucket_window_split
-        if self.attend_to != "bucket" or split <= 1 or self.chunk_length % split or self.dropout_rate > 0.0:
-            return False
-        return self.chunk_backend == "torch" or (
-            self.chunk_backend == "auto" and resolve_backend("auto", x, "chunked_attention") == "torch")
-
-    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False):
-        """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
-        [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order. With `return_lse`, also the
-        [B, H, Lp] log-sum-exp of every query over all its rounds' keys (the log of the output's normaliser)."""
-        batch, heads, padded, dim = qk.shape
-        rounds = buckets.shape[2]
-        m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
-        band = (-before * m, after * m)  # the group band of the "bucket" window, in sorted slots
-        if self._split_bucket_window(qk):  # the same band, over finer chunks (see `bucket_window_split`)
-            split = self.bucket_window_split
-            m, before, after = m // split, before * split, after * split
-        chunks = padded // m
-        flat_order = order.reshape(batch, heads, rounds * padded)
-        q_sorted = gather_rows(qk, flat_order).view(batch * heads * rounds, chunks, m, dim)
-        v_sorted = gather_rows(v, flat_order).view(batch * heads * rounds, chunks, m, dim)
-        sorted_buckets = buckets.gather(-1, order)
-        slots = inverse_permutation(order)  # [B, H, R, Lp]: where each position sits in each round's sorted order
-
-        def chunked(x):
-            return x.reshape(batch * heads * rounds, chunks, m, *x.shape[4:])
-
-        groups = chunked(sorted_buckets) if self.attend_to == "bucket" else None
-        round_locations, round_band = None, (0, 0)
-        if self.duplicate_correction and rounds > 1:
-            # Where every position sits in every round, read in each round's sorted order: [B, H, R, Lp, R'].
-            if self.attend_to == "chunk":
-                locations, round_band = slots // m, (-before, after)
-            else:
-                locations, round_band = buckets * (2 * padded) + slots, band
-            per_position = locations.transpose(2, 3)  # [B, H, Lp, R']
-            index = order.reshape(batch, heads, rounds * padded, 1).expand(-1, -1, -1, rounds)
-            round_locations = chunked(per_position.gather(2, index).view(batch, heads, rounds, padded, rounds))
-        mask = self.window_mask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
-                                after=after, causal=self.causal, self_penalty=True, groups=groups,
-                                group_band=band, round_locations=round_locations, round_band=round_band)
-        out, lse = chunked_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
-                                      save_probs, backend=self.chunk_backend)
-        # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (Appendix A).
-        flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(
-            batch, heads, rounds * padded)
-        out = gather_rows(out.reshape(batch, heads, rounds * padded, dim), flat_slots)
-        out = out.view(batch, heads, rounds, padded, dim)
-        if rounds == 1 and not return_lse:
-            return out[:, :, 0]
-        lse = lse.reshape(batch, heads, rounds * padded).gather(2, flat_slots).view(batch, heads, rounds, padded)
-        if rounds == 1:
-            return out[:, :, 0], lse[:, :, 0]
-        weights = torch.softmax(lse, dim=2).unsqueeze(-1)
-        combined = (out * weights).sum(dim=2)
-        return (combined, lse.logsumexp(dim=2)) if return_lse else combined
-
     # -- decoding -------------------------------------------------------------------------------------------
-    @property
-    def recent_size(self) -> int:
-        """Keys per bucket a new token can see in a round: its window reaches chunks_before chunks back."""
-        return self.chunks_before * self.chunk_length
-
     def new_cache_layer(self):
         return TokenBufferLayer(derived_from_tokens=("recent",))
 

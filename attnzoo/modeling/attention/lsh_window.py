@@ -1,6 +1,7 @@
-"""LSH attention with an exact window inside every layer ("lsh_window"): each query attends exactly to its window
-and sinks (`window_size`, `num_sink_tokens`, as the "window" attention), and through Reformer's LSH attention to the
-earlier keys outside them that share its hash buckets, with ONE softmax normalisation over both parts.
+"""LSH attention as the far part of a windowed layer ("lsh_window"): each query attends exactly to its window and
+sinks (`window_size`, `num_sink_tokens`, as the "window" attention), and through Reformer's LSH attention to the
+earlier keys outside them that share its hash buckets, with ONE softmax normalisation over both parts
+(`windowed.WindowedAttention`).
 
 Scores are LSH's (shared QK, "Reformer: The Efficient Transformer", arXiv 2001.04451, §2): s_ij = q_i · k_j with
 k_j = q_j / |q_j| and no further scaling, and a query's own key gets the large finite penalty s_ii = -1e5, so it is
@@ -22,15 +23,15 @@ sinks ("Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17
 a far key is found when, in some round, it is among the K = lsh_num_chunks_before · lsh_chunk_length most recent keys
 of the query's bucket: recall reaches back K bucket-mates (window keys among them included), not K tokens.
 
-The parallel form moves each row's real tokens to the front (so sequence index = real position; padding hashes to the
-extra bucket that sorts last, so no real token changes its sorted slot), runs LSH's chunked `lsh_attention` with a
-`FarKeyMask` (on the PyTorch path of `chunked_attention`: the fused kernels do not read that mask), and the blocked
-window scores of the "window" attention: O(L · (rounds · (chunks_before + 1) · chunk_length + 2W + S)) time and
-memory. `lsh_full_attention_threshold` is not read: the exact window is this layer's full attention for nearby keys.
-Causal decoders only. Decoding keeps LSH's own cache (every token's key, value and buckets, each bucket's K recent
-keys): a new token reads the sinks and the last W tokens from the stored tokens, adding no store of its own, and
-costs O((S + W + rounds · K) · head_dim). With the "bucket" setting it equals the full forward
-(docs/lsh_attention.md, §5), for rows whose real tokens are contiguous after their left padding.
+The parallel form runs on rows whose real tokens the layer has moved to the front (so sequence index = real
+position; padding hashes to the extra bucket that sorts last, so no real token changes its sorted slot): LSH's
+chunked `lsh_attention` (`lsh.LSHBuckets`, the "lsh" attention's) with a `FarKeyMask` (on the PyTorch path of
+`chunked_attention`: the fused kernels do not read that mask), beside the blocked window scores of the near part:
+O(L · (rounds · (chunks_before + 1) · chunk_length + 2W + S)) time and memory. `lsh_full_attention_threshold` is not
+read: the exact window is this layer's full attention for nearby keys. Causal decoders only. Decoding keeps, beside
+the window's ring, every real token's key and value at its position, the rotations, and each bucket's K most recent
+positions: a new token costs O((S + W + rounds · K) · head_dim). With the "bucket" setting it equals the full
+forward (docs/lsh_attention.md, §5).
 """
 
 from __future__ import annotations
@@ -40,27 +41,19 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.modeling.attention.base import check_attention_mask, register_attention
-from attnzoo.modeling.attention.lsh import LSHAttention
+from attnzoo.modeling.attention.chunked_attention import ChunkedAttention, head_projection
+from attnzoo.modeling.attention.lsh import LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import (
+    hash_buckets,
     inverse_permutation,
     normalize_keys,
     recent_keys_by_bucket,
     sort_by_bucket,
 )
-from attnzoo.modeling.attention.window import (
-    WindowInsideLayer,
-    beyond_window,
-    combine,
-    dense_near_and_far,
-    gather_tokens,
-    left_align,
-    outside_window,
-    restore_order,
-    window_scores,
-)
-from attnzoo.modeling.cache import TokenBufferLayer
-from attnzoo.ops.chunked_attention import ChunkMask, mask_values, pad_to_multiple
+from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
+from attnzoo.modeling.attention.windowed import FarPart, normalised_far, register_far_part
+from attnzoo.modeling.cache import write_at_rows
+from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
 
 @dataclass
@@ -78,121 +71,150 @@ class FarKeyMask(ChunkMask):
         return super().disallowed() | ~far
 
 
-@register_attention("lsh_window")
-class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
-    """Exact window and sinks plus LSH beyond them, one softmax normalisation; see the module docstring."""
+def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """store [B, kv_heads, N, d] read at index [B, H, n] for each query head (head h reads key/value head
+    h // (H / kv_heads)) -> [B, H, n, d], without repeating the store."""
+    batch, kv_heads, length, dim = store.shape
+    heads = index.shape[1]
+    group = torch.arange(heads, device=index.device)[None, :, None] // (heads // kv_heads)
+    flat = (group * length + index).reshape(batch, -1, 1).expand(-1, -1, dim)
+    return store.reshape(batch, kv_heads * length, dim).gather(1, flat).view(batch, heads, -1, dim)
 
+
+@register_far_part("lsh")
+class LSHFarPart(LSHBuckets, FarPart):
+    """LSH's bucket attention beyond the window; see the module docstring. Scores are LSH's (shared QK, keys
+    normalised, no scaling, a query's own key penalised), so the near part scores the same way."""
+
+    family_config = "ZooReformerConfig"
+    plain_kind = "lsh"
+    projection_names = ChunkedAttention.projection_names
+    head_size_field = "reformer_head_size"
+    penalises_own_key = True
+    causal = True
     # FarKeyMask adds a condition that only the PyTorch path reads.
     chunk_backend = "torch"
 
-    plain_kind = "lsh"
+    def __init__(self, layer, config):
+        super().__init__(layer, config)
+        self.chunk_length, self.chunks_before, self.chunks_after = config.lsh_chunk_length, \
+            config.lsh_num_chunks_before, 0
+        self.dropout = config.lsh_attention_probs_dropout_prob
+        self.read_lsh_settings(config)
 
+    @property
+    def dropout_rate(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    # -- projections and the near part's scores ---------------------------------------------------------------------
+    def build_projections(self) -> None:
+        # Shared QK has one head per query head; grouped-query models group the values only.
+        layer = self.layer
+        layer.query_key, layer.value = head_projection(layer), head_projection(layer, key_value=True)
+        layer.output = head_projection(layer, into_heads=False)
+
+    def project(self, hidden_states, position_ids=None, past: int = 0):
+        """(qk, qk, v): the shared query-key vectors (rotated in rotary models, before hashing) as both queries and
+        keys, and the values with their key/value heads, in the model's dtype."""
+        layer = self.layer
+        qk = layer.split_heads(layer.query_key(hidden_states))
+        qk = layer.rotate(qk, layer.rotation(position_ids, past, qk.shape[2], qk.device, qk.dtype))
+        return qk, qk, layer.split_heads(layer.value(hidden_states))
+
+    def output(self, x):
+        return self.layer.output(x)
+
+    def near_keys(self, k):
+        return normalize_keys(k)  # one head per query head already
+
+    @property
+    def scale(self) -> float:
+        return 1.0
+
+    @property
+    def near_dropout(self) -> float:
+        return self.dropout_rate
+
+    # -- the parallel form ------------------------------------------------------------------------------------------
     def window_mask(self, **fields) -> FarKeyMask:
         # A query's own key is always in its window, so the far part has no self penalty: a query without far keys
         # gets the floor log-sum-exp there and no weight.
         fields["self_penalty"] = False
-        return FarKeyMask(**fields, window_size=self.window_size, sinks=self.sinks)
+        return FarKeyMask(**fields, window_size=self.layer.window_size, sinks=self.layer.sinks)
 
-    # -- the parallel form ----------------------------------------------------------------------------------
-    def _attend(self, qk, v, key_mask, recompute, cache):
-        """Attention over a whole sequence (no cached prefix); fills `cache` (prefill) when given."""
-        batch, _, length, _ = qk.shape
-        valid = self.all_real(key_mask, batch, length, qk.device)
-        factors = self.bucket_factors()
-        num_buckets = math.prod(factors)
-        replaying = recompute is not None and recompute.replaying
-        if replaying:  # the backward's recomputation reuses the forward's buckets
-            buckets = recompute.saved["buckets"]
-            if self.rotation_seed() is None:  # advance the global RNG as the first call did (dropout repeats)
-                self.draw_rotations(batch, buckets.shape[2], factors, qk.device)
-        else:
-            rotations = self.draw_rotations(batch, self.num_hashes, factors, qk.device)
-            buckets = self.hash_vectors(qk, rotations, factors, valid)  # [B, H, R, L], in sequence order
-            if recompute is not None:
-                recompute.saved["buckets"] = buckets
-            if cache is not None:  # LSH's own decoding cache; the window part reads it too
-                cache.start({"keys": (qk, 2), "values": (v, 2), "buckets": (buckets, 3), "valid": (valid, 1)},
-                            rotations=rotations, recent=recent_keys_by_bucket(buckets, num_buckets, self.recent_size),
-                            lead=(valid.long().cumsum(-1) == 0).sum(-1))
-        # Real tokens first, so that a token's index is its real position (what FarKeyMask and the window compare).
-        # Padding is hashed to the extra bucket, which sorts last: every real token keeps its sorted slot.
-        order = left_align(valid)
-        qk_aligned, v_aligned = gather_tokens(qk, order), gather_tokens(v, order)
-        buckets_aligned = buckets.gather(3, order[:, None, None, :].expand_as(buckets))
-        m = self.chunk_length
-        buckets_padded = pad_to_multiple(buckets_aligned, m, dim=3, value=num_buckets)
-        # On a recomputation the backward follows at once: keeping the probabilities costs no peak memory.
-        far_out, far_lse = self.lsh_attention(
-            pad_to_multiple(qk_aligned, m, dim=2), pad_to_multiple(v_aligned, m, dim=2), buckets_padded,
-            sort_by_bucket(buckets_padded), num_buckets, save_probs=replaying, return_lse=True)
-        out = self._with_window(qk_aligned, v_aligned, valid.sum(-1), far_out[:, :, :length], far_lse[:, :, :length])
-        return restore_order(out, order)
-
-    def _with_window(self, qk, v, n_real, far_out, far_lse):
-        """The one normalisation (`window.combine`) over the window's scores (left-aligned rows) and the far part: its
-        output out_far with mass exp(lse_far)."""
-        batch, heads, length, dim = qk.shape
-        w = self.window_size
-        scores, values = window_scores(qk, normalize_keys(qk), v, n_real, w, self.sinks, True, 1.0)  # [B,H,C,w,K]
-        blocks, num_keys = scores.shape[2], scores.shape[-1]
-        # The own key of block row i is window column w + i, after the min(S, blocks * w) sink columns.
-        own_column = min(self.sinks, blocks * w) + w + torch.arange(w, device=qk.device)
-        own = torch.arange(num_keys, device=qk.device)[None, :] == own_column[:, None]  # [w, K]
-        scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
-        far_out = pad_to_multiple(far_out, w, dim=2).view(batch, heads, blocks, w, dim)
-        far_lse = pad_to_multiple(far_lse, w, dim=2).view(batch, heads, blocks, w)
-        out = combine(scores, values, far_out, torch.ones_like(far_lse), far_lse, self.dropout_rate, self.training)
-        return out.reshape(batch, heads, blocks * w, dim)[:, :, :length]
-
-    # -- decoding -------------------------------------------------------------------------------------------
-    def _decode_one(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
-        """One new token (cache index t, real position t - lead): join its buckets' recent lists as LSH does, then
-        one softmax over its sinks and last W tokens (read from the stored tokens) and over the recent keys of its
-        buckets that lie outside them, a key listed in several rounds counted once (Appendix A)."""
-        batch, heads, _, dim = qk.shape
-        t = cache.get_seq_length()
-        far_index = self.join_bucket_lists(qk, v, valid, cache)[..., :-1].reshape(batch, heads, -1)  # [B, H, R*K]
-        lead = cache.sequence["lead"]
-        position = t - lead  # [B]
-        w, s = self.window_size, self.sinks
-        sink_positions = torch.arange(s, device=qk.device)[None].expand(batch, s)
-        window_positions = position[:, None] - w + 1 + torch.arange(w, device=qk.device)  # ends with the token
-        near_positions = torch.cat([sink_positions, window_positions], dim=1)  # [B, S + W]
-        near_allowed = torch.cat([outside_window(position[:, None], sink_positions, w), window_positions >= 0], dim=1)
-        near_index = torch.where(near_allowed, near_positions + lead[:, None], -1)
-        far_positions = far_index - lead[:, None, None]
-        far_allowed = (far_index >= 0) & beyond_window(position[:, None, None], far_positions, w, s)
-        far_index = torch.where(far_allowed, far_index, -1)
-        index = torch.cat([near_index[:, None].expand(batch, heads, -1), far_index], -1)  # [B, H, S + W + R*K]
-        safe = index.clamp(min=0)
-        present = (index >= 0) & cache.tokens("valid").gather(1, safe.flatten(1)).view_as(safe)
-        gather = safe[..., None].expand(-1, -1, -1, dim)
-        keys, values = cache.tokens("keys").gather(2, gather), cache.tokens("values").gather(2, gather)
-        scores = (qk @ normalize_keys(keys).transpose(-1, -2)).squeeze(2)
-        if self.duplicate_correction:  # near and far keys are disjoint; a far key may be listed in several rounds
-            counts = (far_index[..., :, None] == far_index[..., None, :]).sum(-1)
-            scores = torch.cat([scores[..., :s + w], scores[..., s + w:] - counts.to(scores.dtype).log()], -1)
-        masked_value, self_value = mask_values(scores.dtype)
-        scores = scores.masked_fill(~present, masked_value).masked_fill(index == t, self_value)
-        return torch.softmax(scores, dim=-1).unsqueeze(2) @ values
-
-    # -- reference ------------------------------------------------------------------------------------------
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
-        """Dense [L, L] form in sequence order: per round, key j is a candidate of query i when LSH's window lists it
-        (same bucket within K sorted slots before, or within the neighbouring chunks); the far keys listed in c_ij
-        rounds get the logit s_ij + log(c_ij) (the rounds' log-sum-exp combination), or s_ij with the duplicate
-        correction; window and sinks get s_ij, the own key the penalty; one softmax. Rotations are drawn as
-        `forward` draws them, or the buckets come from a replaying `recompute`."""
-        batch, length, _ = hidden_states.shape
-        key_mask = check_attention_mask(attention_mask, batch, length)
-        qk, v = self._project(hidden_states, position_ids)
-        valid = self.all_real(key_mask, batch, length, qk.device)
+    def _buckets(self, qk, valid, recompute):
+        """[B, H, R, L] buckets of this forward: hashed with new rotations (and saved for a reversible stack's
+        recomputation, which reuses them), or the saved ones when replaying; (buckets, rotations or None)."""
         factors = self.bucket_factors()
         if recompute is not None and recompute.replaying:
             buckets = recompute.saved["buckets"]
+            if self.rotation_seed() is None:  # advance the global RNG as the first call did (dropout repeats)
+                self.draw_rotations(qk.shape[0], buckets.shape[2], factors, qk.device)
+            return buckets, None
+        rotations = self.draw_rotations(qk.shape[0], self.num_hashes, factors, qk.device)
+        buckets = self.hash_vectors(qk, rotations, factors, valid)
+        if recompute is not None:
+            recompute.saved["buckets"] = buckets
+        return buckets, rotations
+
+    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+        length = q.shape[2]
+        num_buckets = math.prod(self.bucket_factors())
+        valid = torch.arange(length, device=q.device)[None, :] < n_real[:, None]
+        buckets, rotations = self._buckets(q, valid, recompute)  # padding in the extra bucket, which sorts last
+        if state is not None:
+            state.state.update(lsh_keys=q, lsh_values=v, lsh_rotations=rotations,
+                               lsh_recent=recent_keys_by_bucket(buckets, num_buckets, self.recent_size))
+        m = self.chunk_length
+        buckets = pad_to_multiple(buckets, m, dim=3, value=num_buckets)
+        # On a recomputation the backward follows at once: keeping the probabilities costs no peak memory.
+        replaying = recompute is not None and recompute.replaying
+        out, lse = self.lsh_attention(pad_to_multiple(q, m, dim=2), pad_to_multiple(self.layer.expand_kv(v), m, dim=2),
+                                      buckets, sort_by_bucket(buckets), num_buckets, save_probs=replaying,
+                                      return_lse=True)
+        return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
+
+    # -- decoding ---------------------------------------------------------------------------------------------------
+    def step(self, state, q, k, v, real, position, leaving):
+        """One new token per row: hash it with the prefill's rotations, join its buckets' recent lists (as LSH
+        does), store its key and value at its position, and attend to the recent keys of its buckets that are far
+        from it, a key listed in several rounds counted once with the duplicate correction (Appendix A)."""
+        stored = state.state
+        batch, heads, _, dim = q.shape
+        factors = self.bucket_factors()
+        buckets = hash_buckets(q, stored["lsh_rotations"], factors)  # [B, H, R, 1]
+        buckets = buckets.masked_fill(~real[:, None, None, None], math.prod(factors))
+        rounds, keep = buckets.shape[2], self.recent_size
+        rows = buckets[..., None].expand(batch, heads, rounds, 1, keep)
+        previous = stored["lsh_recent"].gather(3, rows)  # [B, H, R, 1, K], before this token joins
+        joined = torch.cat([previous[..., 1:], position.view(batch, 1, 1, 1, 1).expand(-1, heads, rounds, 1, 1)], -1)
+        stored["lsh_recent"] = stored["lsh_recent"].scatter(3, rows, joined)
+        needed = state.get_seq_length() + 1  # positions never exceed the tokens seen
+        stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], position, q, needed)
+        stored["lsh_values"] = write_at_rows(stored["lsh_values"], position, v, needed)
+        index = previous[:, :, :, 0].reshape(batch, heads, rounds * keep)  # positions; -1: none
+        far = (index >= 0) & beyond_window(position[:, None, None], index, self.layer.window_size, self.layer.sinks)
+        index = torch.where(far, index, -1)
+        safe = index.clamp(min=0)
+        keys = stored["lsh_keys"].gather(2, safe[..., None].expand(-1, -1, -1, dim))
+        logits = q @ normalize_keys(keys).transpose(-1, -2)  # [B, H, 1, R*K]
+        if self.duplicate_correction:
+            counts = (index[..., :, None] == index[..., None, :]).sum(-1)
+            logits = logits - counts.to(logits.dtype).log()[:, :, None]
+        return normalised_far(logits.masked_fill(~far[:, :, None], float("-inf")),
+                              gather_grouped(stored["lsh_values"], safe))
+
+    # -- reference --------------------------------------------------------------------------------------------------
+    def reference(self, q, k, v, valid, far, recompute=None):
+        """Dense [L, L] form in the tokens' own order: per round, key j is a candidate of query i when LSH's window
+        lists it (same bucket within K sorted slots before, or within the neighbouring chunks); the far keys listed
+        in c_ij rounds get the logit s_ij + log(c_ij) (the rounds' log-sum-exp combination), or s_ij with the
+        duplicate correction. Rotations are drawn as `parallel` draws them, or the buckets come from a replaying
+        `recompute` (saved in left-aligned order)."""
+        if recompute is not None and recompute.replaying:
+            buckets = restore_order(recompute.saved["buckets"].transpose(2, 3), left_align(valid)).transpose(2, 3)
         else:
-            rotations = self.draw_rotations(batch, self.num_hashes, factors, qk.device)
-            buckets = self.hash_vectors(qk, rotations, factors, valid)
+            buckets, _ = self._buckets(q, valid, None)
         slots = inverse_permutation(sort_by_bucket(buckets))  # [B, H, R, L]
         m, before = self.chunk_length, self.chunks_before
         if self.attend_to == "chunk":
@@ -204,10 +226,6 @@ class WindowedLSHAttention(WindowInsideLayer, LSHAttention):
         rounds_listing = candidate.sum(dim=2)  # [B, H, L, L]
         if self.duplicate_correction:
             rounds_listing = rounds_listing.clamp(max=1)
-        near, beyond = dense_near_and_far(valid, self.window_size, self.sinks)  # [B, L, L]
-        far = beyond[:, None] & (rounds_listing > 0)
-        scores = qk @ normalize_keys(qk).transpose(-1, -2)
-        logits = torch.where(far, scores + rounds_listing.to(scores.dtype).log(), float("-inf"))
-        logits = torch.where(near[:, None], scores, logits)
-        logits = logits.masked_fill(torch.eye(length, dtype=torch.bool, device=qk.device), mask_values(qk.dtype)[1])
-        return self.output(self.merge_heads(logits.softmax(-1) @ v))
+        listed = far[:, None] & (rounds_listing > 0)
+        logits = q @ normalize_keys(q).transpose(-1, -2) + rounds_listing.to(q.dtype).log()
+        return normalised_far(logits.masked_fill(~listed, float("-inf")), self.layer.expand_kv(v))

@@ -1,6 +1,7 @@
-"""Randomized Attention with an exact window inside every layer ("ra_window"): each query attends exactly, with
-softmax weights, to its window and sinks (`window_size`, `num_sink_tokens`, as the "window" attention), and through
-Randomized Attention (RA) to every earlier key outside them (the "far" keys), under ONE normalisation.
+"""Randomized Attention as the far part of a windowed layer ("ra_window"): each query attends exactly, with softmax
+weights, to its window and sinks (`window_size`, `num_sink_tokens`, as the "window" attention), and through
+Randomized Attention (RA) to every earlier key outside them (the "far" keys), under ONE normalisation
+(`windowed.WindowedAttention`).
 
 RA ("Linear Complexity Randomized Self-attention Mechanism", Zheng, Wang and Kong, ICML 2022, arXiv 2204.04667, §3;
 written out in docs/random_feature_attention.md, section 3) rests on the identity, for ξ(x, ω) = exp(ω·x − ‖x‖²/2)
@@ -21,45 +22,30 @@ f_n(ω) = Σ_{m∈F(n)} softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m, whose expe
     ω_ns ~ p_n (RA's "unbiased" variant) or ω_ns = q̂_n + Σ_F π_nm k̂_m (+ noise; RA's "biased" variant, Eq. 31),
 
 computed by the one normalisation every windowed layer shares (`window.combine`): the near keys' scores and a far
-part of mass Z_n (log Z_n, a log-sum-exp over the far keys) and value mean_s f_n(ω_ns). Only the far values are
+part of mass Z_n (log Z_n, a log-sum-exp over the far keys) and value mean_s f_n(ω_ns), given as (value, 1,
+log Z_n). Only the far values are
 estimated: the split of the attention mass between the
 window and the far keys is exact, the layer is exact softmax wherever the window reaches (a query with no far key
 has no far part), and it is the window-plus-global layer of LoLCATs (arXiv 2410.10254, §3.2) with RA as the global
 part and StreamingLLM's sinks ("Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453).
 
-Positions count real tokens (left padding leaves a row's outputs unchanged). RA is quadratic already, so the near
-and far sets are dense [query, key] masks over those positions, with no blocking. Draws are RA's own: evaluation
-indices come from `index_uniform` (counter-based uniforms of the positions, so cached decoding equals the full
-forward), noise only in training. Causal (decoder) layers only. Decoding uses RA's KV cache (a transformers
-`DynamicLayer` with every real and padded token's key and value, as exact softmax keeps them); the window adds no
-state, since near and far follow from the positions of the cached keys.
+Positions count real tokens (left padding leaves a row's outputs unchanged). RA is quadratic already, so its far
+set is a dense [query, key] mask over the left-aligned positions, with no blocking. Draws are RA's own: evaluation
+indices come from `randomized.position_uniforms` (counter-based uniforms of the positions, so cached decoding
+equals the full forward), noise only in training. Causal (decoder) layers only. Decoding keeps, beside the
+window's ring, every real token's key and value (with `num_key_value_heads` heads, at its position), as a KV cache
+does: a new token's far keys are the stored ones at positions S .. t − W.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnzoo.modeling.attention.base import register_attention
-from attnzoo.modeling.attention.randomized import RandomizedAttention, randomized_aggregate
-from attnzoo.modeling.attention.window import WindowInsideLayer, beyond_window, combine
-
-
-def real_positions(key_mask: torch.Tensor | None, batch: int, keys: int, device) -> torch.Tensor:
-    """[B|1, keys] position of each key counted in real tokens (-1 before a row's first real token)."""
-    if key_mask is None:
-        return torch.arange(keys, device=device)[None]
-    return key_mask.long().cumsum(-1) - 1
-
-
-def near_and_far_keys(allowed: torch.Tensor, key_mask: torch.Tensor | None, window: int, sinks: int):
-    """(near, far), bool [B, 1, queries, keys], for a causal `allowed` mask [B|1, 1, queries, keys] (from
-    `allowed_keys`; the queries are the last ones of the keys): an allowed key is near when it is within the window
-    (pos_query − pos_key < window) or one of the first `sinks` real tokens, far otherwise. Every query has a near key
-    (itself), so the near softmax is never empty."""
-    batch, _, queries, keys = allowed.shape
-    positions = real_positions(key_mask, batch, keys, allowed.device)
-    far = allowed & beyond_window(positions[:, -queries:, None], positions[:, None, :], window, sinks)[:, None]
-    return allowed & ~far, far
+from attnzoo.modeling.attention.random_features import sample_noise_std
+from attnzoo.modeling.attention.randomized import position_uniforms, randomized_aggregate, sample_omega
+from attnzoo.modeling.attention.window import beyond_window, gather_tokens, left_align, restore_order
+from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, register_far_part
+from attnzoo.modeling.cache import write_at_rows
 
 
 def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
@@ -69,47 +55,72 @@ def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
     return far | ~far.any(-1, keepdim=True)
 
 
-@register_attention("ra_window")
-class WindowedRandomizedAttention(WindowInsideLayer, RandomizedAttention):
-    """Exact window and sinks plus RA over the far keys, one softmax normalisation; see the module docstring."""
+@register_far_part("ra")
+class RAFarPart(FarPart):
+    """RA over the far keys; see the module docstring."""
 
+    family_config = "ZooRAConfig"
     plain_kind = "ra"
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
-        near, far = near_and_far_keys(allowed, key_mask, self.window_size, self.sinks)
+    def __init__(self, layer, config):
+        super().__init__(layer, config)
+        self.variant = config.ra_variant
+        self.num_samples = config.ra_num_samples
+        self.noise_std = sample_noise_std(config.sample_noise_std, self.head_dim)
+        self.eval_seed = config.eval_seed
+
+    def _omega(self, q_hat, k_hat, sampled, query_positions, key_positions):
+        """RA's draws ω [B, H, N, S, d] over the keys `sampled` [B, 1, N, M]: in evaluation the index comes from
+        uniforms of the (real) positions [B, N] and [B|1, M], in training from the global RNG, with noise."""
+        uniform = None
+        if not self.training and self.eval_seed is not None and self.variant == "unbiased":
+            uniform = position_uniforms(self.eval_seed + self.layer_idx, self.num_heads, self.num_samples,
+                                        query_positions, key_positions)
+        return sample_omega(q_hat, k_hat, sampled, self.variant, self.num_samples,
+                            self.noise_std if self.training else 0.0, uniform)
+
+    def _far(self, q, k, v, far, query_positions, key_positions):
+        """(f, 1, log Z) [B, H, N, ...] of queries q [B, H, N, d] over keys k, v [B, H, M, d] and far [B, 1, N, M]."""
+        scale = self.head_dim ** -0.25
+        q_hat, k_hat = q * scale, k * scale
         sampled = keys_to_sample(far)
-        far_value = randomized_aggregate(self.sample_omega(q_hat, k_hat, sampled, key_mask), k_hat, v, sampled)
-        scores = q_hat @ k_hat.transpose(-1, -2)
-        # log Z_n over the far keys; −inf (no far part) for a query without any
-        log_far_mass = torch.where(far.any(-1), scores.masked_fill(~sampled, float("-inf")).logsumexp(-1),
-                                   float("-inf"))
-        # the one normalisation: the near keys' exact weights and the far part, mass Z_n = exp(log Z_n), value f
-        out = combine(scores.masked_fill(~near, float("-inf")), v, far_value, torch.ones_like(log_far_mass),
-                      log_far_mass)
-        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+        value = randomized_aggregate(self._omega(q_hat, k_hat, sampled, query_positions, key_positions), k_hat, v,
+                                     sampled)
+        log_mass = log_far_mass((q_hat @ k_hat.transpose(-1, -2)).masked_fill(~far, float("-inf")))  # log Z_n
+        return value, torch.ones_like(log_mass), log_mass
 
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        """Dense kernels in the compute dtype, no stabilisation, the same draws: exp(s_nm) on the near keys; on the
-        far keys RA's importance weights ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I) / p_n(ω) with the mixture density p_n
-        written out, averaged over the draws; out = (near numerator + far numerator) / (near sum + far sum)."""
-        q_hat, k_hat, v, allowed, key_mask = self._inputs(hidden_states, attention_mask, cache, position_ids)
-        batch, heads, queries, dim = q_hat.shape
-        keys = k_hat.shape[2]
-        # the masks, spelled out from the definition: positions in real tokens, causal by index
-        positions = real_positions(key_mask, batch, keys, q_hat.device)
-        query_positions = positions[:, keys - queries:]
-        query_index = torch.arange(keys - queries, keys, device=q_hat.device)
-        key_index = torch.arange(keys, device=q_hat.device)
-        real_key = key_mask if key_mask is not None else torch.ones(1, keys, dtype=torch.bool, device=q_hat.device)
-        earlier_real = (key_index[None, None, :] <= query_index[None, :, None]) & real_key[:, None, :]
-        far = earlier_real & beyond_window(query_positions[:, :, None], positions[:, None, :], self.window_size,
-                                           self.sinks)
-        own = key_index[None, None, :] == query_index[None, :, None]
-        near = (earlier_real & ~far) | (own & ~real_key[:, keys - queries:, None])
-        near, far = near[:, None], far[:, None]  # [B, 1, N, M]
-        omega = self.sample_omega(q_hat, k_hat, keys_to_sample(far), key_mask)  # [B, H, N, S, d]
+    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+        if state is not None:  # a KV cache of the real tokens, at their positions
+            state.state.update(ra_k=k, ra_v=v)
+        position = torch.arange(q.shape[2], device=q.device)
+        far = beyond_window(position[:, None], position[None, :], self.layer.window_size, self.layer.sinks)
+        far = far[None, None] & (position < n_real[:, None])[:, None, None, :]
+        return self._far(q, self.layer.expand_kv(k), self.layer.expand_kv(v), far, position[None], position[None])
 
+    def step(self, state, q, k, v, real, position, leaving):
+        stored = state.state
+        needed = state.get_seq_length() + 1  # positions never exceed the tokens seen
+        stored["ra_k"] = write_at_rows(stored["ra_k"], position, k, needed)
+        stored["ra_v"] = write_at_rows(stored["ra_v"], position, v, needed)
+        key_position = torch.arange(stored["ra_k"].shape[2], device=q.device)[None]
+        far = beyond_window(position[:, None], key_position, self.layer.window_size, self.layer.sinks)
+        return self._far(q, self.layer.expand_kv(stored["ra_k"]), self.layer.expand_kv(stored["ra_v"]),
+                         far[:, None, None, :], position[:, None], key_position)
+
+    def reference(self, q, k, v, valid, far, recompute=None):
+        """Dense kernels in the compute dtype, no stabilisation, the same draws: on the far keys RA's importance
+        weights ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I) / p_n(ω) with the mixture density p_n written out, averaged over
+        the draws -> (far numerator, far denominator, log scale 0). Computed on left-aligned rows, as the parallel
+        form draws there (training draws come from the global RNG in that order), and moved back."""
+        order = left_align(valid)
+        q, k, v = (gather_tokens(x, order) for x in (q, k, v))
+        far = far.gather(1, order[:, :, None].expand_as(far)).gather(2, order[:, None, :].expand_as(far))
+        scale = self.head_dim ** -0.25
+        q_hat, k_hat, v = q * scale, self.layer.expand_kv(k) * scale, self.layer.expand_kv(v)
+        dim = q_hat.shape[-1]
+        positions = torch.arange(q.shape[2], device=q.device)[None]  # real positions, for the evaluation draws
+        far = far[:, None]  # [B, 1, N, M]
+        omega = self._omega(q_hat, k_hat, keys_to_sample(far), positions, positions)  # [B, H, N, S, d]
         kernel = torch.exp(q_hat @ k_hat.transpose(-1, -2))  # exp(s_nm)
         has_far = far.any(-1)  # [B, 1, N]
         far_mass = (kernel * far).sum(-1)  # Z_n
@@ -128,8 +139,6 @@ class WindowedRandomizedAttention(WindowInsideLayer, RandomizedAttention):
         integrand = (xi(q_hat[:, :, :, None, None], omega_m) * xi(k_m, omega_m)
                      * standard_normal_density(omega).unsqueeze(-1) * far.unsqueeze(3))
         importance = integrand / torch.where(has_far.unsqueeze(-1), density, 1.0).unsqueeze(-1)  # [B, H, N, S, M]
-        far_numerator = (importance @ v.unsqueeze(2)).mean(3)
-        far_denominator = importance.sum(-1).mean(3)
-        near_kernel = kernel * near
-        out = (near_kernel @ v + far_numerator) / (near_kernel.sum(-1) + far_denominator).unsqueeze(-1)
-        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
+        numerator = restore_order((importance @ v.unsqueeze(2)).mean(3), order)
+        denominator = restore_order(importance.sum(-1).mean(3)[..., None], order)[..., 0]
+        return numerator, denominator, torch.zeros_like(denominator)

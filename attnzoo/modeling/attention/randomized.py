@@ -76,6 +76,18 @@ def randomized_aggregate(omega, k_hat, v, allowed) -> torch.Tensor:
     return (weights @ v).view(batch, heads, queries, samples, -1).mean(3)
 
 
+def position_uniforms(seed: int, num_heads: int, num_samples: int, query_positions: torch.Tensor,
+                      key_positions: torch.Tensor) -> torch.Tensor:
+    """[B, H, N, S, M] uniforms of the sampled index that are a function of (seed, head, query position, sample,
+    key position) only, for query positions [B, N] and key positions [B|1, M] counted in real tokens: RA's
+    evaluation draws, the same whatever the call, the batch, the padding or the cache."""
+    device = query_positions.device
+    heads = torch.arange(num_heads, device=device)[None, :, None, None, None]
+    samples = torch.arange(num_samples, device=device)[None, None, None, :, None]
+    return counter_uniform(seed, heads, query_positions[:, None, :, None, None], samples,
+                           key_positions[:, None, None, None, :])
+
+
 @register_attention("ra")
 class RandomizedAttention(ZooAttention):
     family_config = "ZooRAConfig"
@@ -125,15 +137,12 @@ class RandomizedAttention(ZooAttention):
             positions = torch.arange(keys, device=device)[None]
         else:
             positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)
-        heads = torch.arange(self.num_heads, device=device)[None, :, None, None, None]
-        samples = torch.arange(self.num_samples, device=device)[None, None, None, :, None]
         written = static_written_length(self.cache_slot(cache)) if cache is not None else None
         # The queries are the last of the keys written (a static slot's keys continue past them, unwritten).
         query_columns = (keys if written is None else written) - queries + torch.arange(queries, device=device)
         query_positions = positions.expand(batch, -1).gather(1, query_columns[None].expand(batch, -1))
-        query_positions = query_positions[:, None, :, None, None]
-        key_positions = positions[:, None, None, None, :]
-        return counter_uniform(self.eval_seed + self.layer_idx, heads, query_positions, samples, key_positions)
+        return position_uniforms(self.eval_seed + self.layer_idx, self.num_heads, self.num_samples, query_positions,
+                                 positions)
 
     def sample_omega(self, q_hat, k_hat, allowed, key_mask, cache=None) -> torch.Tensor:
         uniform = self.index_uniform(key_mask, q_hat.shape[0], q_hat.shape[2], k_hat.shape[2], q_hat.device, cache)

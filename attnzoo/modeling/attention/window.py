@@ -140,83 +140,85 @@ def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale:
     return scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0]), values
 
 
-class WindowInsideLayer:
-    """Mixin of the attentions that keep an exact window with sinks inside the layer beside their family's own
-    attention ("favor_window", "lara_window", "ra_window", "lsh_window"): decoders only, and the window settings
-    `window_size` and `num_sink_tokens` of the config as `self.window_size` and `self.sinks`. Subclasses name the
-    family's plain attention (`plain_kind`) for the encoder refusal."""
+# -- the decoding ring of the near part ---------------------------------------------------------------------------
+# Its tensors live in a cache slot's `state` dict (a `RecurrentStateLayer`'s, or a subclass's), so a windowed layer
+# keeps its far part's state beside them in the same slot: the sinks' keys and values [B, kv_heads, S, d] with their
+# validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
+# and the number of real tokens seen per row [B]. Its size does not grow with the context.
+def ring_start(k, v, n_real, window: int, sinks: int) -> dict[str, torch.Tensor]:
+    """The ring after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
+    sinks = the first S real tokens, window = the last W real tokens of each row."""
+    batch, kv_heads, length, dim = k.shape
+    device = k.device
+    sink_index = torch.arange(sinks, device=device)
+    sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
+    window_index = n_real[:, None] - window + torch.arange(window, device=device)[None]  # the last W real positions
+    window_take = window_index.clamp(0, max(length - 1, 0))
 
-    plain_kind: str
+    def take(x, index):
+        return x.gather(2, index[:, None, :, None].expand(batch, x.shape[1], index.shape[1], x.shape[3]))
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        if not causal:
-            raise ValueError(f"attention {self.name!r} is for causal (decoder) layers; use {self.plain_kind!r} or "
-                             "'window' in encoders.")
-        super().__init__(config, layer_idx, causal)
-        self.window_size = config.window_size
-        self.sinks = config.num_sink_tokens
+    return {"sink_k": take(k, sink_take), "sink_v": take(v, sink_take),
+            "sink_valid": sink_index[None] < n_real[:, None], "window_k": take(k, window_take),
+            "window_v": take(v, window_take), "window_pos": torch.where(window_index >= 0, window_index, -1),
+            "count": n_real.clone()}
 
-    def new_static_cache_layer(self, max_cache_len: int):
-        return None  # the window and the family's far state are updated out of place: no static slot yet
+
+def ring_leaving(state, real, window: int, sinks: int):
+    """(k, v [B, kv_heads, 1, d], joins [B]) of the key that leaves the window when a token at position
+    `state["count"]` arrives: the ring's oldest, which joins the far keys when the token is real and that key is at
+    position count - W and not a sink."""
+    position, leaving_pos = state["count"], state["window_pos"][:, 0]
+    joins = real & (leaving_pos == position - window) & beyond_window(position, leaving_pos, window, sinks)
+    return state["window_k"][:, :, :1], state["window_v"][:, :, :1], joins
+
+
+def ring_append(state, k, v, real, sinks: int) -> dict[str, torch.Tensor]:
+    """The ring's tensors after one new token per row (k, v [B, kv_heads, 1, d]) when `real` [B]: into its sink slot
+    while fewer than S tokens were seen, and into the window (the oldest token leaves). Padded tokens change
+    nothing. Returns the new tensors; the caller stores them."""
+    position = state["count"]
+    gate = real[:, None, None, None]
+    new = {}
+    if sinks:
+        slot = (torch.arange(sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
+        new["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
+        new["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
+        new["sink_valid"] = state["sink_valid"] | slot
+    new["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
+    new["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
+    new["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]], 1),
+                                    state["window_pos"])
+    new["count"] = position + real.long()
+    return new
+
+
+def ring_visible(state, position, window: int, sinks: int):
+    """(keys, values [B, kv_heads, S + W, d], allowed [B, S + W]) that a token at `position` [B] attends to: the
+    sinks outside its window, and the ring."""
+    sink_pos = torch.arange(sinks, device=position.device)[None]
+    sink_allowed = state["sink_valid"] & outside_window(position[:, None], sink_pos, window)
+    allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
+    allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
+    return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
+            allowed)
 
 
 class WindowStateLayer(RecurrentStateLayer):
-    """Decoding state of a window-with-sinks layer: the sinks' keys and values [B, kv_heads, S, d] with their
-    validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
-    and the number of real tokens seen per row [B]. Its size does not grow with the context."""
+    """Decoding state of the "window" attention: the ring above, nothing else."""
 
     def __init__(self, window: int, sinks: int):
         super().__init__()
         self.window_size, self.sinks = window, sinks
 
     def start(self, k, v, n_real) -> None:
-        """The state after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
-        sinks = the first S real tokens, window = the last W real tokens of each row."""
-        batch, kv_heads, length, dim = k.shape
-        device = k.device
-        sink_index = torch.arange(self.sinks, device=device)
-        sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
-        # [B, W]: the last W real positions
-        window_index = n_real[:, None] - self.window_size + torch.arange(self.window_size, device=device)[None]
-        window_take = window_index.clamp(0, max(length - 1, 0))
-
-        def take(x, index):
-            return x.gather(2, index[:, None, :, None].expand(batch, kv_heads, index.shape[1], dim))
-
-        self.store(length, sink_k=take(k, sink_take), sink_v=take(v, sink_take),
-                   sink_valid=sink_index[None] < n_real[:, None],
-                   window_k=take(k, window_take), window_v=take(v, window_take),
-                   window_pos=torch.where(window_index >= 0, window_index, -1), count=n_real.clone())
+        self.store(k.shape[2], **ring_start(k, v, n_real, self.window_size, self.sinks))
 
     def append(self, k, v, real) -> None:
-        """One new token per row (k, v [B, kv_heads, 1, d]), written when `real` [B]: into its sink slot while fewer
-        than S tokens were seen, and into the ring (the oldest token leaves). Padded tokens change nothing."""
-        state = self.state
-        position = state["count"]
-        gate = real[:, None, None, None]
-        if self.sinks:
-            slot = (torch.arange(self.sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
-            state["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
-            state["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
-            state["sink_valid"] = state["sink_valid"] | slot
-        state["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
-        state["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
-        state["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]],
-                                                                   1), state["window_pos"])
-        state["count"] = position + real.long()
-        self.length += 1
+        self.store(1, **ring_append(self.state, k, v, real, self.sinks))
 
     def visible(self, position):
-        """(keys, values [B, kv_heads, S + W, d], allowed [B, S + W]) that a token at `position` [B] attends to: the
-        sinks outside its window, and the ring."""
-        state = self.state
-        device = position.device
-        sink_pos = torch.arange(self.sinks, device=device)[None]
-        sink_allowed = state["sink_valid"] & outside_window(position[:, None], sink_pos, self.window_size)
-        allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
-        allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
-        return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
-                allowed)
+        return ring_visible(self.state, position, self.window_size, self.sinks)
 
 
 def new_token_inputs(module, hidden_states, attention_mask, cache):

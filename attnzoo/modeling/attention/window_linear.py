@@ -1,5 +1,5 @@
-"""The exact window with sinks plus a linear-features far part under ONE softmax normalisation: what the windowed
-linear attentions ("favor_window", "lara_window") share.
+"""Far parts given by positive features (`windowed.FarPart`s): what "favor_window" and "lara_window" share, and
+what a far part of the user's with a feature map of its own subclasses (`FeatureFarPart`).
 
 Per head, with positions counted in real tokens, s_ij = q_i·k_j / √d, a window W and S sinks, query i sees
     near(i) = {j: 0 <= pos_i - pos_j < W} ∪ {j: pos_j < S, pos_j <= pos_i}   exactly, and
@@ -29,7 +29,7 @@ by another feature's large key (as one maximum over all features would), and the
 depend on a later token, not even through rounding (docs/random_feature_attention.md, section 2).
 
 Decoding keeps per-feature sums over the keys that have left the window (`far_sums`, `add_far_key`, `read_far`),
-with the same per-feature running levels.
+with the same per-feature running levels. The dense reference is `dense_feature_far`.
 """
 
 from __future__ import annotations
@@ -38,30 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.modeling.attention.random_features import NO_KEY_LEVEL
-from attnzoo.modeling.attention.window import beyond_window, new_token_inputs
+from attnzoo.modeling.attention.window import beyond_window
+from attnzoo.modeling.attention.windowed import FarPart
 from attnzoo.ops.decayed_linear_attention import decayed_cumsum
-
-
-class WindowedLinearForward:
-    """The forward both window-plus-linear layers share: new tokens' heads, then the blocked parallel form (a prefill
-    or a cache-free forward) or recurrent steps over a filled decoding state. Subclasses give `_parallel(q, k, v,
-    valid, context, layer)`, `_step(q, k, v, real, layer, context)` and, when their far part needs something fixed
-    for the whole call (FAVOR+'s projection), `far_context(layer)`."""
-
-    def far_context(self, layer):
-        return None
-
-    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        q, k, v = grouped_heads(self, hidden_states, position_ids, past)
-        context = self.far_context(layer)
-        if layer is not None and layer.state:
-            # A continuation after the prefill; generate() feeds one token at a time, so this is not a hot path.
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
-                                        context) for t in range(hidden_states.shape[1])], dim=2)
-        else:
-            out = self._parallel(q, k, v, valid, context, layer)
-        return self.o_proj(self.merge_heads(out.to(hidden_states.dtype)))
 
 
 def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -72,16 +51,6 @@ def finite_level(x: torch.Tensor) -> torch.Tensor:
     """A key level with "no key yet" (−inf) replaced by NO_KEY_LEVEL: finite, so level differences never give NaN,
     and low enough that the decay from it to any real key's level is exactly 0."""
     return torch.where(torch.isfinite(x), x, torch.full_like(x, NO_KEY_LEVEL))
-
-
-def grouped_heads(module, hidden_states: torch.Tensor, position_ids=None, past: int = 0):
-    """q [B, H, L, d] and k, v [B, kv_heads, L, d] of a `ZooAttention` (a decoding state keeps the unrepeated heads),
-    rotated in rotary models, in float32 at least."""
-    compute = torch.promote_types(hidden_states.dtype, torch.float32)
-    q, k, v = (module.split_heads(p(hidden_states)).to(compute)
-               for p in (module.q_proj, module.k_proj, module.v_proj))
-    rotation = module.rotation(position_ids, past, q.shape[2], q.device, compute)
-    return module.rotate(q, rotation), module.rotate(k, rotation), v
 
 
 def far_key_mask(n_real: torch.Tensor, sinks: int, length: int) -> torch.Tensor:
@@ -167,3 +136,51 @@ def read_far(log_q: torch.Tensor, kv_sum, key_sum, key_level) -> tuple[torch.Ten
     top = finite_or_zero(shifted.amax(-1)).detach()
     phi_q = torch.exp(shifted - top[..., None])
     return phi_q @ kv_sum, torch.einsum("bhtp,bhp->bht", phi_q, key_sum), top
+
+def feature_far_parallel(log_q, log_k, v, n_real, window: int, sinks: int):
+    """The far triple of left-aligned queries, (num [B, H, L, e], den [B, H, L], log scale [B, H, L]), from
+    `blocked_far_part` with the keys that may be far."""
+    length = log_q.shape[2]
+    far = blocked_far_part(log_q, log_k, v, far_key_mask(n_real, sinks, length), window)
+    return tuple(x.flatten(2, 3)[:, :, :length] for x in far)
+
+
+def dense_feature_far(log_q, log_k, v, far):
+    """The dense reference of a feature far part, no stabilisation: κ_ij = Σ_p exp(a_ip + b_jp) on the far keys
+    (`far` [B, L, L]) -> (κ v, Σ κ, log scale 0)."""
+    kernel = torch.exp(log_q[:, :, :, None, :] + log_k[:, :, None, :, :]).sum(-1) * far[:, None]
+    return kernel @ v, kernel.sum(-1), torch.zeros_like(kernel[..., 0])
+
+
+class FeatureFarPart(FarPart):
+    """A far part whose kernel is κ_ij = Σ_p exp(a_ip + b_jp) with query log-features a = `query_log_features(q)`
+    and key log-features b = `key_log_features(k)` ([B, H, N, P], −inf allowed), on the scale of exp(s_ij): the
+    blocked parallel form, the decoding sums over the keys that left the window and the dense reference above.
+    `state` is the decoding cache slot, or None (a random feature map keeps its draw there for a whole
+    generation)."""
+
+    def query_log_features(self, q: torch.Tensor, state=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def key_log_features(self, k: torch.Tensor, state=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+        k, v = self.layer.expand_kv(k), self.layer.expand_kv(v)
+        log_k = self.key_log_features(k, state)
+        window, sinks = self.layer.window_size, self.layer.sinks
+        if state is not None:  # the far keys of each row's last token
+            state.state.update(far_sums(log_k, v, keys_far_from(n_real - 1, k.shape[2], window, sinks)))
+        return feature_far_parallel(self.query_log_features(q, state), log_k, v, n_real, window, sinks)
+
+    def step(self, state, q, k, v, real, position, leaving):
+        leaving_k, leaving_v, joins = leaving
+        sums = state.state
+        log_k = self.key_log_features(self.layer.expand_kv(leaving_k), state).squeeze(2)  # [B, H, P]
+        sums.update(add_far_key(sums["kv_sum"], sums["key_sum"], sums["key_level"], log_k,
+                                self.layer.expand_kv(leaving_v).squeeze(2), joins))
+        return read_far(self.query_log_features(q, state), sums["kv_sum"], sums["key_sum"], sums["key_level"])
+
+    def reference(self, q, k, v, valid, far, recompute=None):
+        k, v = self.layer.expand_kv(k), self.layer.expand_kv(v)
+        return dense_feature_far(self.query_log_features(q), self.key_log_features(k), v, far)

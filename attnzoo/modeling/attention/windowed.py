@@ -1,0 +1,306 @@
+"""One windowed layer: an exact near part and a pluggable far part, combined under one normalisation.
+
+Every query of a causal layer sees its earlier real keys split by the near/far rule of `window.py` (positions
+counted in real tokens; W = `window_size`, S = `num_sink_tokens`):
+
+        keys of query i:  [ sinks 0..S-1 | ........ far keys ........ | window i-W+1 .. i ]
+                             \\_____ near: exact ____/   \\_ far part _/   \\____ near: exact ____/
+                                      |                        |
+                          scores s_ij, values v_j     (numerator, denominator, log scale)
+                                      \\________________________/
+                                                    |
+                 out_i = (Σ_near exp(s_ij) v_j + exp(c_i) num_i) / (Σ_near exp(s_ij) + exp(c_i) den_i)
+                                        (`window.combine`, the one normalisation)
+
+`WindowedAttention` owns the near part in all its forms: the blocked parallel form (`window.window_scores` on
+left-aligned rows), the decoding ring (`window.ring_*`: the sinks and the last W tokens) and the dense reference
+(`window.dense_near_and_far`). A `FarPart` gives the rest, over the far keys only, in the same three forms:
+
+- `parallel(q, k, v, n_real, recompute, state)`: (num [B, H, L, e], den [B, H, L], log scale [B, H, L]) for every
+  left-aligned query. When `state` is a cache slot (a prefill), it also puts its decoding state there.
+- `step(state, q, k, v, real, position, leaving)`: one new token per row; `leaving` = (k, v, joins) is the key
+  that leaves the window as this token arrives (it joins the far keys where `joins`). Returns the token's
+  (num, den, log scale) [B, H, 1, ...] and updates its tensors in `state.state`; the layer stores the ring and
+  counts the token.
+- `reference(q, k, v, valid, far, recompute)`: the same triple, written plainly over a dense [B, L, L] far mask in
+  the tokens' own order.
+
+A far part whose estimate of exp(s_ij) is on the exact scale (FAVOR+'s and LARA's features) returns its sums with
+their common log scale; one that is normalised itself (LSH's bucket softmax, RA's far values) returns its output as
+the numerator, 1 as the denominator and its log-sum-exp of scores as the log scale (`normalised_far`). A query
+without far keys gets the log scale -inf.
+
+A far part is registered with `@register_far_part("name")`, which also registers the attention kind
+"name_window": a `WindowedAttention` whose `far_part_class` it is. The far part is built as `cls(layer, config)`
+and may add parameters and buffers to the layer (under its plain family's names, so a checkpoint's keys do not
+depend on whether the family's attention is windowed: FAVOR+'s `eval_projection`, LARA's `landmark_q`). Adding one
+from user code is one file: docs/adding_an_attention.md ("A far part for the windowed layer").
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import ClassVar
+
+import torch
+
+from attnzoo.modeling.attention.base import (
+    DrawsPerForward,
+    InitialisesBuffers,
+    UsesRecomputation,
+    ZooAttention,
+    check_attention_mask,
+    register_attention,
+)
+from attnzoo.modeling.attention.window import (
+    combine,
+    dense_near_and_far,
+    gather_tokens,
+    left_align,
+    new_token_inputs,
+    restore_order,
+    ring_append,
+    ring_leaving,
+    ring_start,
+    ring_visible,
+    window_scores,
+)
+from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.ops.chunked_attention import mask_values, pad_to_multiple
+
+FAR_PART_REGISTRY: dict[str, type[FarPart]] = {}
+
+
+def log_far_mass(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last axis of logits [..., Q, K] (-inf: not a far key), -inf for a query without far keys,
+    with a zero (not NaN) gradient there."""
+    has_far = torch.isfinite(logits).any(-1)
+    lse = torch.where(has_far[..., None], logits, 0.0).logsumexp(-1)
+    return torch.where(has_far, lse, float("-inf"))
+
+
+def normalised_far(logits: torch.Tensor, values: torch.Tensor):
+    """The far triple of a far part that is a softmax itself: (softmax(logits) @ values, 1, logsumexp(logits)) for
+    logits [..., Q, K] (-inf: not a far key) and values [..., K, e]; a query without far keys gets 0, 1, -inf."""
+    lse = log_far_mass(logits)
+    weights = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return weights @ values, torch.ones_like(lse), lse
+
+
+class FarPart:
+    """The far part of a windowed layer: see the module docstring for the contract. Subclasses implement
+    `parallel`, `step` and `reference`, and override the hooks below where their family needs it."""
+
+    #: the config class (by name) whose fields the far part reads
+    family_config: ClassVar[str] = "ZooConfig"
+    #: the family's plain attention, named in the refusal of an encoder layer
+    plain_kind: ClassVar[str] = ""
+    #: the layer's projection modules (what a conversion carries)
+    projection_names: ClassVar[tuple[str, ...]] = ZooAttention.projection_names
+    #: the config field of the head width when the family has its own (the Reformer's `reformer_head_size`)
+    head_size_field: ClassVar[str | None] = None
+    #: whether a query's own key gets LSH's large finite penalty in the near part (used only when nothing else is)
+    penalises_own_key: ClassVar[bool] = False
+
+    def __init__(self, layer: WindowedAttention, config):
+        self.layer = layer  # a plain reference: the far part is not a module, its parameters are the layer's
+        self.build_projections()
+
+    @property
+    def training(self) -> bool:
+        return self.layer.training
+
+    @property
+    def num_heads(self) -> int:
+        return self.layer.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layer.head_dim
+
+    @property
+    def layer_idx(self) -> int:
+        return self.layer.layer_idx
+
+    # -- projections and the near part's scores ----------------------------------------------------------------------
+    def build_projections(self) -> None:
+        self.layer.build_projections()
+
+    def project(self, hidden_states, position_ids=None, past: int = 0):
+        """q [B, H, L, d] and k, v [B, kv_heads, L, d] (the ring and the states keep the unrepeated heads), rotated
+        in rotary models, in float32 at least."""
+        layer = self.layer
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        q, k, v = (layer.split_heads(p(hidden_states)).to(compute) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+        rotation = layer.rotation(position_ids, past, q.shape[2], q.device, compute)
+        return layer.rotate(q, rotation), layer.rotate(k, rotation), v
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer.o_proj(x)
+
+    def near_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """The keys the near part scores against, one per query head, from `project`'s keys."""
+        return self.layer.expand_kv(k)
+
+    @property
+    def scale(self) -> float:
+        """The near part's score scale: s_ij = scale * q_i·key_j."""
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def near_dropout(self) -> float:
+        """Dropout on the near weights in training (the far part's draws are its own)."""
+        return 0.0
+
+    # -- optional hooks --------------------------------------------------------------------------------------------
+    def start_forward(self) -> None:
+        """Once per forward pass of the whole model (per-step draws)."""
+
+    def init_buffers(self) -> None:
+        """Fill buffers a checkpoint did not provide (`transformers.initialization` functions)."""
+
+    def loaded(self) -> None:
+        """After the layer's tensors were loaded from a state dict."""
+
+    def new_cache_layer(self):
+        return RecurrentStateLayer()
+
+    # -- the far part ----------------------------------------------------------------------------------------------
+    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+        raise NotImplementedError
+
+    def step(self, state, q, k, v, real, position, leaving):
+        raise NotImplementedError
+
+    def reference(self, q, k, v, valid, far, recompute=None):
+        raise NotImplementedError
+
+
+class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, ZooAttention):
+    """An exact window with sinks plus the far part `far_part_class`, under one normalisation (module docstring).
+    Causal (decoder) layers only."""
+
+    far_part_class: ClassVar[type[FarPart]]
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        far_part_class = self.far_part_class
+        if not causal:
+            raise ValueError(f"attention {self.name!r} is for causal (decoder) layers; use "
+                             f"{far_part_class.plain_kind or 'another attention'!r} or 'window' in encoders.")
+        field = far_part_class.head_size_field
+        super().__init__(config, layer_idx, causal, head_dim=getattr(config, field) if field else None)
+        self.window_size = config.window_size
+        self.sinks = config.num_sink_tokens
+        self.far = far_part_class(self, config)
+
+    def start_forward(self) -> None:
+        self.far.start_forward()
+
+    def init_buffers(self) -> None:
+        self.far.init_buffers()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.far.loaded()
+
+    def new_cache_layer(self):
+        return self.far.new_cache_layer()
+
+    def new_static_cache_layer(self, max_cache_len: int):
+        return None  # the ring and the far states are updated out of place: no static slot yet
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
+        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
+        q, k, v = self.far.project(hidden_states, position_ids, past)
+        if layer is not None and layer.state:
+            # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
+            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer)
+                             for t in range(hidden_states.shape[1])], dim=2)
+        else:
+            out = self._parallel(q, k, v, valid, layer, recompute)
+        return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
+
+    # -- the parallel form -----------------------------------------------------------------------------------------
+    def _parallel(self, q, k, v, valid, layer, recompute):
+        batch, heads, length, _ = q.shape
+        w = self.window_size
+        order = left_align(valid)
+        q, k, v = (gather_tokens(x, order) for x in (q, k, v))
+        n_real = valid.sum(-1)
+        far = self.far.parallel(q, k, v, n_real, recompute, layer)
+        if layer is not None:
+            layer.store(length, **ring_start(k, v, n_real, w, self.sinks))
+        scores, values = window_scores(q, self.far.near_keys(k), self.expand_kv(v), n_real, w, self.sinks, True,
+                                       self.far.scale)  # [B, H, blocks, w, keys]
+        blocks, num_keys = scores.shape[2], scores.shape[-1]
+        if self.far.penalises_own_key:  # block row i's own key is window column w + i, after the sink columns
+            own_column = min(self.sinks, blocks * w) + w + torch.arange(w, device=q.device)
+            own = torch.arange(num_keys, device=q.device)[None, :] == own_column[:, None]  # [w, keys]
+            scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
+        # query rows past L (block padding) get no far part: log scale -inf
+        num, den, log_scale = (pad_to_multiple(x, w, dim=2, value=fill).view(batch, heads, blocks, w, *x.shape[3:])
+                               for x, fill in zip(far, (0.0, 0.0, float("-inf")), strict=True))
+        out = combine(scores, values, num, den, log_scale, self.far.near_dropout, self.training)
+        return restore_order(out.reshape(batch, heads, blocks * w, -1)[:, :, :length], order)
+
+    # -- decoding --------------------------------------------------------------------------------------------------
+    def _step(self, q, k, v, real, layer):
+        """One new token per row (`real` [B]: whether it is a real token): the key leaving the window goes to the far
+        part, the token joins the ring, and it attends to the sinks and window exactly and to the far part."""
+        state = layer.state
+        position = state["count"]  # [B]: this token's position when real
+        leaving = ring_leaving(state, real, self.window_size, self.sinks)
+        ring = ring_append(state, k, v, real, self.sinks)
+        keys, values, allowed = ring_visible(ring, position, self.window_size, self.sinks)
+        far = self.far.step(layer, q, k, v, real, position, leaving)
+        layer.store(1, **ring)
+        scores = (q @ self.far.near_keys(keys).transpose(-1, -2)) * self.far.scale
+        masked_value, own_value = mask_values(scores.dtype)
+        scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
+        if self.far.penalises_own_key:  # the ring's last key is the token itself
+            scores = torch.cat([scores[..., :-1], torch.full_like(scores[..., -1:], own_value)], -1)
+        return combine(scores, self.expand_kv(values), *far)
+
+    # -- reference --------------------------------------------------------------------------------------------------
+    def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
+        """Dense [L, L] masks in the tokens' own order: the near keys (`window.dense_near_and_far`; a padded query
+        sees its own key) scored exactly, the far part's `reference` over the far keys, one normalisation."""
+        batch, length, _ = hidden_states.shape
+        key_mask = check_attention_mask(attention_mask, batch, length)
+        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
+                                                                 device=hidden_states.device)
+        q, k, v = self.far.project(hidden_states, position_ids, 0)
+        near, far = dense_near_and_far(valid, self.window_size, self.sinks)
+        own = torch.eye(length, dtype=torch.bool, device=q.device)
+        near = near | (own[None] & ~valid[:, :, None])
+        scores = (q @ self.far.near_keys(k).transpose(-1, -2)) * self.far.scale
+        if self.far.penalises_own_key:
+            scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
+        out = combine(scores.masked_fill(~near[:, None], float("-inf")), self.expand_kv(v),
+                      *self.far.reference(q, k, v, valid, far, recompute))
+        return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
+
+
+def register_far_part(name: str):
+    """Class decorator: make a `FarPart` available as `name`, and the windowed layer with it as the attention kind
+    `f"{name}_window"`. The layer class (`cls.layer_class`, named Windowed<Name>Attention after the far part's class
+    <Name>FarPart) is also put in the far part's module, so that pickling and checkpoints' remote code find it
+    there by name."""
+
+    def add(cls: type[FarPart]) -> type[FarPart]:
+        kind = f"{name}_window"
+        if name in FAR_PART_REGISTRY and FAR_PART_REGISTRY[name] is not cls:
+            raise ValueError(f"far part name {name!r} is already registered to {FAR_PART_REGISTRY[name].__name__}")
+        FAR_PART_REGISTRY[name] = cls
+        class_name = f"Windowed{cls.__name__.removesuffix('FarPart')}Attention"
+        layer_class = type(class_name, (WindowedAttention,), {
+            "far_part_class": cls, "family_config": cls.family_config, "projection_names": cls.projection_names,
+            "__module__": cls.__module__, "__qualname__": class_name,
+            "__doc__": f"An exact window with sinks plus the far part {cls.__name__}, under one normalisation."})
+        register_attention(kind)(layer_class)
+        cls.layer_class = layer_class
+        vars(sys.modules[cls.__module__])[class_name] = layer_class
+        return cls
+
+    return add

@@ -5,10 +5,12 @@ on its own. A wrong import fails here, at `pytest`, not at `save_pretrained`."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import pkgutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -121,3 +123,54 @@ def test_every_scripts_main_reads_on_one_screen():
             if isinstance(node, ast.FunctionDef) and node.name == "main" and node.end_lineno - node.lineno >= 50:
                 long_mains[path.name] = node.end_lineno - node.lineno + 1
     assert long_mains == {}
+
+
+def definitions(cls: type, name: str) -> dict[type, str]:
+    """{the class whose definition of `name` a direct base of `cls` resolves to: that base's name}."""
+    found = {}
+    for base in cls.__bases__:
+        owner = next((ancestor for ancestor in base.__mro__ if name in vars(ancestor)), None)
+        if owner is not None:
+            found.setdefault(owner, base.__name__)
+    return found
+
+
+def test_cooperative_methods_call_super_first():
+    for cls in classes_with_several_bases():
+        for ancestor in (c for c in cls.__mro__ if c.__module__.startswith("attnzoo")):
+            for name in COOPERATIVE & set(vars(ancestor)):
+                body = ast.parse(textwrap.dedent(inspect.getsource(vars(ancestor)[name]))).body[0].body
+                first = body[1] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else \
+                    body[0]
+                assert "super()." + name in ast.unparse(first), f"{ancestor.__qualname__}.{name} does not call super"
+
+
+def classes_with_several_bases() -> list[type]:
+    from attnzoo.configuration.base import ZooConfig
+    from attnzoo.modeling.attention import FAR_PART_REGISTRY
+
+    found, todo = set(), [*ATTENTION_REGISTRY.values(), *FAR_PART_REGISTRY.values(), ZooConfig]
+    while todo:  # the registered classes, every config class, and their bases
+        cls = todo.pop()
+        if cls in found or not cls.__module__.startswith("attnzoo"):
+            continue
+        found.add(cls)
+        todo.extend(cls.__bases__)
+        if issubclass(cls, ZooConfig):
+            todo.extend(cls.__subclasses__())
+    return sorted((cls for cls in found if len(cls.__bases__) > 1), key=lambda cls: cls.__qualname__)
+
+
+#: methods every definition of which calls super() first, so that all of them run whatever the order of the bases
+COOPERATIVE = {"validate_architecture"}
+
+
+@pytest.mark.parametrize("cls", classes_with_several_bases(), ids=lambda cls: cls.__qualname__)
+def test_no_behaviour_depends_on_the_order_of_a_classs_bases(cls):
+    """A name that two bases of a class resolve to different definitions must be defined by the class itself:
+    otherwise which one wins depends on the order of the bases. Cooperative methods are the exception."""
+    names = {name for base in cls.__bases__ for ancestor in base.__mro__ for name in vars(ancestor)}
+    clashes = {name: sorted(definitions(cls, name).values()) for name in sorted(names)
+               if not name.startswith("__") and name not in set(vars(cls)) | COOPERATIVE
+               and len(definitions(cls, name)) > 1}
+    assert not clashes, f"{cls.__qualname__}: {clashes}"

@@ -1,11 +1,15 @@
 from attnzoo.configuration.base import ZooConfig
 from attnzoo.configuration.hybrid import ZooHybridConfig
-from attnzoo.configuration.lara import ZooLARAConfig
-from attnzoo.configuration.performer import ZooPerformerConfig
-from attnzoo.configuration.ra import ZooRAConfig
-from attnzoo.configuration.reformer import ZooReformerConfig
+from attnzoo.configuration.lara import ZooLARAConfig, ZooLARASettings
+from attnzoo.configuration.performer import ZooPerformerConfig, ZooPerformerSettings
+from attnzoo.configuration.ra import ZooRAConfig, ZooRASettings
+from attnzoo.configuration.reformer import ZooReformerConfig, ZooReformerSettings
+from attnzoo.configuration.sampling import ZooSamplingSettings
 from attnzoo.configuration.softmax import ZooSoftmaxConfig
-from attnzoo.configuration.window import ZooWindowConfig
+from attnzoo.configuration.window import ZooWindowConfig, ZooWindowSettings
 
-__all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooPerformerConfig", "ZooRAConfig", "ZooReformerConfig",
-           "ZooSoftmaxConfig", "ZooWindowConfig"]
+# The family configs; the settings classes are the groups of fields the families' attentions read, which the
+# family configs (and the hybrid one) are built from.
+__all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooLARASettings", "ZooPerformerConfig",
+           "ZooPerformerSettings", "ZooRAConfig", "ZooRASettings", "ZooReformerConfig", "ZooReformerSettings",
+           "ZooSamplingSettings", "ZooSoftmaxConfig", "ZooWindowConfig", "ZooWindowSettings"]

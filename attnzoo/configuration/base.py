@@ -27,6 +27,8 @@ POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "rotary", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
+#: the fields of `ZooWindowSettings` (configuration/window.py), which every family's config had before
+WINDOW_SETTINGS = ("window_size", "num_sink_tokens")
 MODALITIES = ("text", "image")
 REVERSIBLE_MERGES = ("mean", "concat")
 HIDDEN_ACTIVATIONS = ("gelu", "relu", "silu", "gelu_new", "gelu_pytorch_tanh", "tanh")
@@ -122,9 +124,6 @@ class ZooConfig(PreTrainedConfig):
         position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table), "rotary" (RoPE,
             "RoFormer", arXiv 2104.09864: q and k of every attention are rotated by position before the attention's
             own mechanism; no position is added to the embeddings and no length limit applies) or "none".
-        window_size / num_sink_tokens: the "window" attention (and the window part of windowed layers): each
-            query sees the last `window_size` tokens and the first `num_sink_tokens` tokens of its sequence
-            (StreamingLLM's attention sinks, arXiv 2309.17453), exactly.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
             (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
@@ -181,8 +180,6 @@ class ZooConfig(PreTrainedConfig):
     axial_pos_embds_dim: list[int] | tuple[int, ...] | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
-    window_size: int = 64
-    num_sink_tokens: int = 4
 
     image_size: int = 224
     patch_size: int = 16
@@ -250,6 +247,7 @@ class ZooConfig(PreTrainedConfig):
         may list more attention kinds than layers; the model was built from the first ones, which are kept, with
         a warning, so the checkpoint loads as it was trained."""
         config_dict = dict(config_dict)
+        cls._drop_settings_saved_for_every_family(config_dict)
         depth = config_dict.get("num_hidden_layers")
         decoder_depth = config_dict.get("num_decoder_layers") or depth
         for name, layers_depth in (("attn_layers", depth), ("decoder_attn_layers", decoder_depth)):
@@ -260,6 +258,25 @@ class ZooConfig(PreTrainedConfig):
                                list(layers[:layers_depth]))
                 config_dict[name] = list(layers[:layers_depth])
         return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
+    def _drop_settings_saved_for_every_family(cls, config_dict: dict) -> None:
+        """Configs saved before the window settings moved to the configs whose attentions have a window
+        (`ZooWindowSettings`) carry `window_size` and `num_sink_tokens` in every family. Where this class has no
+        such setting they were never read, unless the layers use a windowed attention (possible then in any family):
+        such a config is refused, naming the config to load it with."""
+        saved = [name for name in WINDOW_SETTINGS if name in config_dict and name not in cls.__dataclass_fields__]
+        if not saved:
+            return
+        layouts = [*(config_dict.get("attn_layers") or ()), *(config_dict.get("decoder_attn_layers") or ())]
+        windowed = sorted({kind for kind in layouts if kind == "window" or str(kind).endswith("_window")})
+        if windowed:
+            raise ValueError(f"this config's layers use {windowed}, whose settings ({', '.join(saved)}) "
+                             f"{cls.__name__} does not have; load it with a config that has them, e.g. config = "
+                             "ZooWindowConfig.from_pretrained(path), then ZooWindowForCausalLM.from_pretrained(path, "
+                             "config=config) (the same backbone, so the weights load unchanged).")
+        for name in saved:
+            del config_dict[name]
 
     def _settings_from_other_names(self, kwargs: dict) -> dict:
         """Keyword arguments that are not fields: transformers' own config keys pass on; another project's name for
@@ -312,8 +329,6 @@ class ZooConfig(PreTrainedConfig):
                  "group of query heads); pick a divisor, or None for one per query head.")
         if self.position_embedding_type == "rotary":
             check_rope(self)
-        check_positive_ints(self, ("window_size",))
-        check_int(self, "num_sink_tokens", 0, "set a non-negative integer (0 = a plain sliding window).")
         for name in ("chunk_size_feed_forward", "loss_chunk_size"):
             check_int(self, name, 0, "set 0 (no chunking) or a positive chunk length.")
         for name in ("attn_layers", "decoder_attn_layers"):

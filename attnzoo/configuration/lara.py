@@ -1,8 +1,9 @@
 """The LARA family: linear randomized attention ("Linear Complexity Randomized Self-attention Mechanism", Zheng,
 Wang and Kong, ICML 2022, arXiv 2204.04667, §4) in the shared backbone."""
 
-from attnzoo.configuration.base import ZooConfig
-from attnzoo.validation import check_choice, check_noise_std, check_perfect_square, check_positive_ints
+from attnzoo.configuration.sampling import ZooSamplingSettings
+from attnzoo.configuration.window import ZooWindowSettings
+from attnzoo.validation import check_choice, check_perfect_square, check_positive_ints
 
 PROPOSAL_MEANS = ("q+k", "q+mixed_k")  # Eq. 34, Eq. 35
 WEIGHTINGS = ("balance", "query_specific")  # Eq. 36, Eq. 38
@@ -10,15 +11,12 @@ LANDMARKS = ("auto", "1d", "2d")
 R_AXES = ("queries", "proposals")
 
 
-class ZooLARAConfig(ZooConfig):
-    """Linear Randomized Attention (LARA) on the shared backbone. Equation numbers are the paper's (arXiv
-    2204.04667); the estimator, the weights and causal LARA are derived in docs/random_feature_attention.md.
+class ZooLARASettings(ZooSamplingSettings):
+    """The settings of Linear Randomized Attention ("lara", and causal LARA as the far part of "lara_window").
+    Equation numbers are the paper's (arXiv 2204.04667); the estimator, the weights and causal LARA are derived in
+    docs/random_feature_attention.md.
 
-    Args beyond `ZooConfig`:
-        attn_layers: "lara" layers (or "full"); in a causal model they are this project's chunk-causal LARA
-            (docs/random_feature_attention.md, "Causal LARA").
-        decoder_attn_layers: the decoder of an encoder-decoder model: exact softmax by default (the paper replaces
-            only the encoder's self-attention for translation, §5.4).
+    Args:
         lara_num_samples: C, the number of proposals = landmarks = samples (e.g. 16/32/64 for WMT, 49 for DeiT).
         lara_samples_per_proposal: samples drawn from each proposal (1 in the paper).
         lara_landmarks: "1d" (contiguous segments), "2d" (pooled image grid; C a perfect square) or "auto" (2-D
@@ -48,10 +46,6 @@ class ZooLARAConfig(ZooConfig):
     approximation was measured, not the effect on training.
     """
 
-    model_type = "attnzoo_lara"
-
-    attn_layers: list[str] | tuple[str, ...] = ("lara",)
-    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)
     lara_num_samples: int = 16
     lara_samples_per_proposal: int = 1
     lara_landmarks: str = "auto"
@@ -61,7 +55,6 @@ class ZooLARAConfig(ZooConfig):
     lara_alpha_coeff: float = 1.0
     lara_r_normalize: str = "queries"
     lara_chunk_size: int = 64
-    sample_noise_std: str | float = "paper"
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
@@ -72,4 +65,19 @@ class ZooLARAConfig(ZooConfig):
         check_positive_ints(self, ("lara_num_samples", "lara_samples_per_proposal", "lara_chunk_size"))
         if self.lara_landmarks == "2d":
             check_perfect_square(self, "lara_num_samples", "for 2-D landmarks (e.g. 49 = 7x7 pooled cells)")
-        check_noise_std(self)
+
+
+class ZooLARAConfig(ZooLARASettings, ZooWindowSettings):
+    """Linear Randomized Attention (LARA) on the shared backbone.
+
+    Args beyond `ZooConfig`: `ZooLARASettings`', `ZooWindowSettings`' (the window of "lara_window"), and
+        attn_layers: "lara" layers (or "full"); in a causal model they are this project's chunk-causal LARA
+            (docs/random_feature_attention.md, "Causal LARA").
+        decoder_attn_layers: the decoder of an encoder-decoder model: exact softmax by default (the paper replaces
+            only the encoder's self-attention for translation, §5.4).
+    """
+
+    model_type = "attnzoo_lara"
+
+    attn_layers: list[str] | tuple[str, ...] = ("lara",)
+    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)

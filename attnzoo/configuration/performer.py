@@ -3,6 +3,7 @@ al., ICLR 2021, arXiv 2009.14794) and the elu+1 linear kernel ("Transformers are
 2020, arXiv 2006.16236) in the shared backbone."""
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.configuration.window import ZooWindowSettings
 from attnzoo.validation import check_choice, check_positive_ints, fail
 
 FEATURE_MAPS = ("positive", "hyperbolic")
@@ -10,12 +11,11 @@ FEATURE_NORMS = ("chi", "sqrt_d")
 REDRAW_POLICIES = ("every_step", "interval", "fixed", "learned")
 
 
-class ZooPerformerConfig(ZooConfig):
-    """Performer on the shared backbone (feature maps, stabilisation and the exact causal forms:
-    docs/random_feature_attention.md).
+class ZooPerformerSettings(ZooConfig):
+    """The settings of the Performer family's attentions ("favor", "elu", and FAVOR+ as the far part of
+    "favor_window"): feature maps, stabilisation and the exact causal forms are in docs/random_feature_attention.md.
 
-    Args beyond `ZooConfig`:
-        attn_layers / decoder_attn_layers: "favor" (FAVOR+) or "elu" (elu+1), or "full" for exact layers.
+    Args:
         num_random_features: m, features per head. Default: round(d · ln d) for the head size d (d = 64: 266, close
             to the paper's 256; d = 16: 44). The estimator's error falls as m grows relative to d ln d (Performer's
             Theorem 4, arXiv 2009.14794, §4), and the cost grows with m whatever d is, so a fixed 256 made small
@@ -32,10 +32,6 @@ class ZooPerformerConfig(ZooConfig):
         linear_attention_chunk_size: chunk length of the causal form (memory O(N·chunk)).
     """
 
-    model_type = "attnzoo_performer"
-
-    attn_layers: list[str] | tuple[str, ...] = ("favor",)
-    decoder_attn_layers: list[str] | tuple[str, ...] = ("favor",)
     num_random_features: int | None = None
     feature_map: str = "positive"
     orthogonal_features: bool = True
@@ -53,3 +49,18 @@ class ZooPerformerConfig(ZooConfig):
         check_positive_ints(self, ("num_random_features", "feature_redraw_interval", "linear_attention_chunk_size"))
         if not 0.0 < self.elu_alpha <= 1.0:
             fail("elu_alpha", self.elu_alpha, "elu(x) + 1 stays positive only for 0 < alpha <= 1.")
+
+
+class ZooPerformerConfig(ZooPerformerSettings, ZooWindowSettings):
+    """Performer on the shared backbone.
+
+    Args beyond `ZooConfig`: `ZooPerformerSettings`' (the features), `ZooWindowSettings`' (the window of
+    "favor_window"), and
+        attn_layers / decoder_attn_layers: "favor" (FAVOR+), "elu" (elu+1) or "favor_window" (decoders), or "full"
+            for exact layers.
+    """
+
+    model_type = "attnzoo_performer"
+
+    attn_layers: list[str] | tuple[str, ...] = ("favor",)
+    decoder_attn_layers: list[str] | tuple[str, ...] = ("favor",)

@@ -1,18 +1,18 @@
 """The RA family: randomized attention ("Linear Complexity Randomized Self-attention Mechanism", Zheng, Wang and
 Kong, ICML 2022, arXiv 2204.04667, §3) in the shared backbone."""
 
-from attnzoo.configuration.base import ZooConfig
-from attnzoo.validation import check_choice, check_noise_std, check_positive_ints
+from attnzoo.configuration.sampling import ZooSamplingSettings
+from attnzoo.configuration.window import ZooWindowSettings
+from attnzoo.validation import check_choice, check_positive_ints
 
 RA_VARIANTS = ("unbiased", "biased")
 
 
-class ZooRAConfig(ZooConfig):
-    """Randomized Attention (RA) on the shared backbone (the estimator: docs/random_feature_attention.md).
+class ZooRASettings(ZooSamplingSettings):
+    """The settings of Randomized Attention ("ra", and RA as the far part of "ra_window"; the estimator:
+    docs/random_feature_attention.md).
 
-    Args beyond `ZooConfig`:
-        attn_layers: "ra" layers (or "full"). decoder_attn_layers: the decoder of an encoder-decoder model, exact
-            softmax by default (the paper replaces only the encoder's self-attention, §5.4).
+    Args:
         ra_variant: "unbiased" (exact mixture sampling; at evaluation the index is still sampled, from draws seeded
             by `eval_seed`) or "biased" (Eq. 31; deterministic at evaluation).
         ra_num_samples: draws of ω averaged per query (1 in the paper).
@@ -20,16 +20,24 @@ class ZooRAConfig(ZooConfig):
             official code does) or a number.
     """
 
-    model_type = "attnzoo_ra"
-
-    attn_layers: list[str] | tuple[str, ...] = ("ra",)
-    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)
     ra_variant: str = "unbiased"
     ra_num_samples: int = 1
-    sample_noise_std: str | float = "paper"
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
         check_choice(self, "ra_variant", RA_VARIANTS)
         check_positive_ints(self, ("ra_num_samples",))
-        check_noise_std(self)
+
+
+class ZooRAConfig(ZooRASettings, ZooWindowSettings):
+    """Randomized Attention (RA) on the shared backbone.
+
+    Args beyond `ZooConfig`: `ZooRASettings`', `ZooWindowSettings`' (the window of "ra_window"), and
+        attn_layers: "ra" layers (or "full"). decoder_attn_layers: the decoder of an encoder-decoder model, exact
+            softmax by default (the paper replaces only the encoder's self-attention, §5.4).
+    """
+
+    model_type = "attnzoo_ra"
+
+    attn_layers: list[str] | tuple[str, ...] = ("ra",)
+    decoder_attn_layers: list[str] | tuple[str, ...] = ("full",)

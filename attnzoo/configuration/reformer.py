@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.configuration.window import ZooWindowSettings
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
 LSH_ATTEND_TO = ("chunk", "bucket")
 
 
-class ZooReformerConfig(ZooConfig):
+class ZooReformerSettings(ZooConfig):
     r"""
-    Reformer configuration. The defaults are the paper's enwik8 set-up (§5; trax's `reformer_enwik8.gin`:
-    alternating local and LSH layers, 2 hash rounds, ReLU feed-forward, axial positions, no attention biases)
-    scaled down to hidden size 256 and chunks of 64. How LSH attention computes what these settings describe, with
-    its derivations, is in docs/lsh_attention.md.
+    The settings of the Reformer's attentions ("lsh", "local", and LSH as the far part of "lsh_window"). How LSH
+    attention computes what these settings describe, with its derivations, is in docs/lsh_attention.md.
 
-    Args (beyond `ZooConfig`):
+    Args:
         attention_head_size: width of one attention head; `None` means `hidden_size // num_attention_heads`. A
             different value (heads x size != hidden_size) is allowed, as in transformers' `ReformerConfig`.
         lsh_chunk_length: length of the chunks the hash-sorted sequence is cut into (§2, "chunked attention").
@@ -50,20 +49,6 @@ class ZooReformerConfig(ZooConfig):
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
             (look-ahead for bidirectional layers).
     """
-
-    model_type = "attnzoo_reformer"
-
-    hidden_size: int = 256
-    num_hidden_layers: int = 6
-    num_attention_heads: int = 4
-    intermediate_size: int = 1024
-    hidden_act: str = "relu"
-    max_position_embeddings: int = 65536
-    attention_bias: bool = False
-    attn_layers: list[str] | tuple[str, ...] = ("local", "lsh")
-    reversible: bool = True
-    chunk_size_feed_forward: int = 2048
-    position_embedding_type: str = "axial"
 
     attention_head_size: int | None = None
 
@@ -119,3 +104,28 @@ class ZooReformerConfig(ZooConfig):
     def reformer_head_size(self) -> int:
         """The width of one attention head of the LSH and local layers."""
         return self.attention_head_size or self.head_dim
+
+
+class ZooReformerConfig(ZooReformerSettings, ZooWindowSettings):
+    r"""
+    Reformer configuration. The defaults are the paper's enwik8 set-up (§5; trax's `reformer_enwik8.gin`:
+    alternating local and LSH layers, 2 hash rounds, ReLU feed-forward, axial positions, no attention biases)
+    scaled down to hidden size 256 and chunks of 64.
+
+    Args beyond `ZooConfig`: `ZooReformerSettings`' (LSH and local attention), `ZooWindowSettings`' (the window of
+    "lsh_window"), and `attn_layers`: "lsh", "local", "lsh_window" (decoders) or "full", per layer.
+    """
+
+    model_type = "attnzoo_reformer"
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    intermediate_size: int = 1024
+    hidden_act: str = "relu"
+    max_position_embeddings: int = 65536
+    attention_bias: bool = False
+    attn_layers: list[str] | tuple[str, ...] = ("local", "lsh")
+    reversible: bool = True
+    chunk_size_feed_forward: int = 2048
+    position_embedding_type: str = "axial"

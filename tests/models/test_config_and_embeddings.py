@@ -128,3 +128,35 @@ def test_saved_configs_load_with_the_keys_transformers_writes(tmp_path):
     loaded = AutoConfig.from_pretrained(tmp_path).to_dict()
     assert {k: v for k, v in loaded.items() if k != "_name_or_path"} == \
         {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+
+
+def test_window_settings_live_only_with_windowed_attentions_and_old_softmax_configs_still_load(tmp_path):
+    """`window_size` and `num_sink_tokens` belong to the configs whose families have a windowed attention; a
+    softmax config saved when every family had them (they were never read) loads and rebuilds the same model, while
+    one whose layers did use a window is refused with the config to load it with, nothing changed on disk."""
+    from attnzoo import ZooHybridConfig, ZooWindowConfig
+    from attnzoo.configuration import ZooWindowSettings
+
+    assert "window_size" not in ZooSoftmaxConfig.__dataclass_fields__
+    assert issubclass(ZooHybridConfig, ZooWindowSettings) and issubclass(ZooWindowConfig, ZooWindowSettings)
+    with pytest.raises(ValueError, match="window_size=16 is not a setting of ZooSoftmaxConfig"):
+        ZooSoftmaxConfig(window_size=16)
+    torch.manual_seed(0)
+    model = ZooSoftmaxForCausalLM(ZooSoftmaxConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1,
+                                                   num_attention_heads=2, intermediate_size=32, is_decoder=True))
+    model.save_pretrained(tmp_path / "old")
+    saved = json.loads((tmp_path / "old" / "config.json").read_text())
+    saved.update(window_size=64, num_sink_tokens=4)  # what every family's config.json carried before
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    loaded = ZooSoftmaxForCausalLM.from_pretrained(tmp_path / "old").eval()
+    assert not hasattr(loaded.config, "window_size")
+    ids = torch.arange(1, 9)[None]
+    torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+    saved.update(attn_layers=["window"])
+    (tmp_path / "old" / "config.json").write_text(json.dumps(saved))
+    before = (tmp_path / "old" / "config.json").read_bytes()
+    with pytest.raises(ValueError, match=r"use \['window'\].*ZooWindowConfig.from_pretrained\(path\)"):
+        ZooSoftmaxConfig.from_pretrained(tmp_path / "old")
+    assert (tmp_path / "old" / "config.json").read_bytes() == before
+    config = ZooWindowConfig.from_pretrained(tmp_path / "old")
+    assert config.window_size == 64 and config.attn_layers == ["window"]

@@ -39,7 +39,7 @@ Optional parts, each opted into by a module that needs it:
 - `InitialisesBuffers.init_buffers()`: fills buffers a checkpoint did not provide (called from `_init_weights`).
 - `set_image_layout(grid_size, class_token)`: an image encoder declares its patch grid at construction.
 
-A new attention is one file: subclass `ZooAttention`, set `family_config` if it reads fields of a family config, and
+A new attention is one file: subclass `ZooAttention`, set `family_config` if it reads settings beyond `ZooConfig`'s, and
 decorate it with `@register_attention("name")`. Inside the package, put the file in `attnzoo/modeling/attention/`
 (every module there is imported); in user code, import it before building the model: checkpoints carry it either way
 (docs/adding_an_attention.md walks through both).
@@ -80,9 +80,12 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: unknown attention "
                          f"{kind!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.")
     cls = ATTENTION_REGISTRY[kind]
-    if cls.family_config not in {c.__name__ for c in type(config).__mro__}:
+    required = (cls.family_config,) if isinstance(cls.family_config, str) else tuple(cls.family_config)
+    missing = [name for name in required if name not in {c.__name__ for c in type(config).__mro__}]
+    if missing:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: attention {kind!r} reads "
-                         f"the fields of attnzoo.{cls.family_config}; build the model with that config class.")
+                         f"the settings of {' and '.join(missing)}, which {type(config).__name__} does not have; "
+                         f"build the model with a config that has them: {', '.join(configs_having(config, required))}.")
     if getattr(config, "position_embedding_type", None) == "rotary" and \
             "position_ids" not in inspect.signature(cls.forward).parameters:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
@@ -90,6 +93,19 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
                          "position_ids, so it cannot rotate its queries and keys; add a `position_ids=None` keyword "
                          "and rotate q and k (docs/adding_an_attention.md), or use another position_embedding_type.")
     return cls(config, layer_idx, causal)
+
+
+def configs_having(config, settings: tuple[str, ...]) -> list[str]:
+    """The names of the family configs (the config classes with a `model_type` of their own) related to `config`'s
+    class whose bases include every class named in `settings`."""
+    root = next(c for c in type(config).__mro__ if c.__name__ == "ZooConfig")
+    found, todo = set(), [root]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "model_type" in vars(cls) and set(settings) <= {c.__name__ for c in cls.__mro__}:
+            found.add(cls.__name__)
+    return sorted(found)
 
 
 @dataclass
@@ -106,8 +122,9 @@ class ZooAttention(nn.Module):
     support incremental decoding, `new_cache_layer`."""
 
     name: ClassVar[str] = ""
-    #: the config class (by name) whose fields the module reads; a model built with another config is refused.
-    family_config: ClassVar[str] = "ZooConfig"
+    #: the config class (by name), or the classes, whose fields the module reads (a family's settings, e.g.
+    #: "ZooPerformerSettings"); a model built with a config that lacks one is refused, naming configs that have it.
+    family_config: ClassVar[str | tuple[str, ...]] = "ZooConfig"
 
     #: names of the modules that project into and out of the heads (the weights a conversion carries); everything
     #: else an attention owns (feature maps, landmark transforms, ...) is its own, see `own_parameters`

@@ -24,7 +24,7 @@ def head_projection(attn: ZooAttention, into_heads: bool = True, key_value: bool
 
 
 class ChunkedAttention(UsesRecomputation, ZooAttention):
-    family_config = "ZooReformerConfig"
+    family_config = "ZooReformerSettings"
     projection_names = ("query", "key", "value", "query_key", "output")
 
     def __init__(self, config, layer_idx: int, causal: bool, *, chunk_length: int, chunks_before: int,

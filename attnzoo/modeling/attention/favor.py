@@ -37,7 +37,7 @@ from attnzoo.ops.decayed_linear_attention import decayed_linear_attention, decay
 class KernelAttention(ZooAttention):
     """Linear attention over positive features given in log space by `log_features(x, cache_slot)`."""
 
-    family_config = "ZooPerformerConfig"
+    family_config = "ZooPerformerSettings"
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)

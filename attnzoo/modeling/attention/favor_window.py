@@ -35,7 +35,7 @@ from attnzoo.modeling.attention.windowed import register_far_part
 class FavorFarPart(FavorProjection, FeatureFarPart):
     """FAVOR+'s features beyond the window; see the module docstring."""
 
-    family_config = "ZooPerformerConfig"
+    family_config = "ZooPerformerSettings"
     plain_kind = "favor"
 
     def __init__(self, layer, config):

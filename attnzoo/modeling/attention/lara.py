@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from attnzoo.modeling.attention.base import check_attention_mask, register_attention
+from attnzoo.modeling.attention.lara_base import LARABase
 from attnzoo.modeling.attention.lara_causal import ALPHA_FLOOR, CausalLARA
 from attnzoo.modeling.attention.random_features import log_features_at, snis_attention
 
@@ -50,10 +51,9 @@ def segment_assignment(key_mask: torch.Tensor | None, batch: int, length: int, s
     return (seg.unsqueeze(1) == torch.arange(segments, device=device)[None, :, None]).to(torch.get_default_dtype())
 
 
-@register_attention("lara")
-class LinearRandomizedAttention(CausalLARA):
-    """LARA: the bidirectional estimator here, the causal one (decoders) inherited from `CausalLARA`; what both use
-    (settings, landmark transforms, sample draws, the image-grid check) is `LARABase`'s."""
+class BidirectionalLARA(LARABase):
+    """The paper's bidirectional estimator (module docstring), over `LARABase`'s settings, landmark transforms, draws
+    and image-grid check, which `lara_causal.CausalLARA` shares."""
 
     def _landmarks(self, q, k, key_mask, grid_size):
         """(q̄, k̄ [B, H, C, d] unscaled, valid [B, C] bool, or None when every proposal has tokens)."""
@@ -170,7 +170,19 @@ class LinearRandomizedAttention(CausalLARA):
         alpha = log_balance.exp().unsqueeze(2) + self.alpha_coeff * centred
         return alpha.clamp(min=ALPHA_FLOOR).log()
 
-    # -- entry points -----------------------------------------------------------------------------------------
+
+@register_attention("lara")
+class LinearRandomizedAttention(BidirectionalLARA, CausalLARA):
+    """LARA: the paper's bidirectional estimator in encoder layers, this project's causal one in decoder layers. The
+    two forms share `LARABase` and define disjoint methods; this class picks one by the layer's causality."""
+
+    # only decoders decode, with causal LARA's state
+    def new_cache_layer(self):
+        return CausalLARA.new_cache_layer(self)
+
+    def new_static_cache_layer(self, max_cache_len: int):
+        return CausalLARA.new_static_cache_layer(self, max_cache_len)
+
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         if self.causal:
             out = self.causal_forward(hidden_states, attention_mask, self.cache_slot(cache), position_ids)

@@ -49,7 +49,7 @@ class LARASettings:
 class LARABase(LARASettings, ZooAttention):
     """A LARA attention module: projections, `LARASettings`, and the image layout of an image encoder."""
 
-    family_config = "ZooLARAConfig"
+    family_config = "ZooLARASettings"
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)

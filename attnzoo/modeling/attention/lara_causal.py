@@ -96,8 +96,9 @@ class CausalLARATerms:
 
 
 class CausalLARA(CausalLARATerms, LARABase):
-    """Causal LARA over `LARABase`'s settings, landmark transforms and draws; `LinearRandomizedAttention` adds the
-    bidirectional form and is the registered "lara"."""
+    """Causal LARA over `LARABase`'s settings, landmark transforms and draws. The registered "lara"
+    (`lara.LinearRandomizedAttention`) uses it in decoder layers and the paper's `lara.BidirectionalLARA`, which
+    shares `LARABase`, in encoders."""
 
     def _causal(self, hidden_states, attention_mask, layer=None, position_ids=None):
         """The parallel (training) form; with `layer`, also the decoding state after these tokens (a prefill)."""

@@ -52,7 +52,7 @@ from attnzoo.modeling.attention.windowed import FarPart, register_far_part
 class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
     """Causal LARA beyond the window; see the module docstring."""
 
-    family_config = "ZooLARAConfig"
+    family_config = "ZooLARASettings"
     plain_kind = "lara"
 
     def __init__(self, layer, config):

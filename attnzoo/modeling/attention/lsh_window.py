@@ -86,7 +86,7 @@ class LSHFarPart(LSHBuckets, FarPart):
     """LSH's bucket attention beyond the window; see the module docstring. Scores are LSH's (shared QK, keys
     normalised, no scaling, a query's own key penalised), so the near part scores the same way."""
 
-    family_config = "ZooReformerConfig"
+    family_config = "ZooReformerSettings"
     plain_kind = "lsh"
     projection_names = ChunkedAttention.projection_names
     head_size_field = "reformer_head_size"

@@ -59,7 +59,7 @@ def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
 class RAFarPart(FarPart):
     """RA over the far keys; see the module docstring."""
 
-    family_config = "ZooRAConfig"
+    family_config = "ZooRASettings"
     plain_kind = "ra"
 
     def __init__(self, layer, config):

@@ -90,7 +90,7 @@ def position_uniforms(seed: int, num_heads: int, num_samples: int, query_positio
 
 @register_attention("ra")
 class RandomizedAttention(ZooAttention):
-    family_config = "ZooRAConfig"
+    family_config = "ZooRASettings"
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)

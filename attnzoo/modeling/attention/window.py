@@ -240,6 +240,8 @@ class SlidingWindowAttention(ZooAttention):
     """Exact softmax over the last `window_size` tokens and the first `num_sink_tokens` ones; see the module
     docstring. Bidirectional layers see `window_size - 1` tokens to each side."""
 
+    family_config = "ZooWindowSettings"
+
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
         self.build_projections()

@@ -92,7 +92,7 @@ class FarPart:
     """The far part of a windowed layer: see the module docstring for the contract. Subclasses implement
     `parallel`, `step` and `reference`, and override the hooks below where their family needs it."""
 
-    #: the config class (by name) whose fields the far part reads
+    #: the config class (by name) whose fields the far part reads (its layer also reads `ZooWindowSettings`)
     family_config: ClassVar[str] = "ZooConfig"
     #: the family's plain attention, named in the refusal of an encoder layer
     plain_kind: ClassVar[str] = ""
@@ -107,21 +107,11 @@ class FarPart:
         self.layer = layer  # a plain reference: the far part is not a module, its parameters are the layer's
         self.build_projections()
 
-    @property
-    def training(self) -> bool:
-        return self.layer.training
-
-    @property
-    def num_heads(self) -> int:
-        return self.layer.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.layer.head_dim
-
-    @property
-    def layer_idx(self) -> int:
-        return self.layer.layer_idx
+    # what the far part reads of its layer
+    training = property(lambda self: self.layer.training)
+    num_heads = property(lambda self: self.layer.num_heads)
+    head_dim = property(lambda self: self.layer.head_dim)
+    layer_idx = property(lambda self: self.layer.layer_idx)
 
     # -- projections and the near part's scores ----------------------------------------------------------------------
     def build_projections(self) -> None:
@@ -295,7 +285,8 @@ def register_far_part(name: str):
         FAR_PART_REGISTRY[name] = cls
         class_name = f"Windowed{cls.__name__.removesuffix('FarPart')}Attention"
         layer_class = type(class_name, (WindowedAttention,), {
-            "far_part_class": cls, "family_config": cls.family_config, "projection_names": cls.projection_names,
+            "far_part_class": cls, "family_config": (cls.family_config, "ZooWindowSettings"),
+            "projection_names": cls.projection_names,
             "__module__": cls.__module__, "__qualname__": class_name,
             "__doc__": f"An exact window with sinks plus the far part {cls.__name__}, under one normalisation."})
         register_attention(kind)(layer_class)

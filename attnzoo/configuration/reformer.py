@@ -44,6 +44,11 @@ class ZooReformerSettings(ZooConfig):
             are not strictly causal), and decoding sees only the same-bucket part of it.
         lsh_duplicate_correction: make multi-round attention one softmax over the union of the rounds' keys, a key
             attended in several rounds counted once (Appendix A).
+        lsh_shared_qk: True (the Reformer's, §2): one projection gives queries and keys (k = q / |q|), scores
+            q·k without scaling, a query's own key penalised. False ("lsh_window" layers): separate query and key
+            projections, as a pretrained model has them (a Llama converts keeping its k_proj); queries and keys are
+            hashed apart with the same rotations, each key retrieved is scored with the exact q·k / √d, and
+            "bucket" is the only `lsh_attend_to` (docs/lsh_attention.md, "Separate queries and keys").
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
             probabilities (`None`: `attention_probs_dropout_prob`).
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
@@ -62,6 +67,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_full_attention_threshold: int | None = None
     lsh_attend_to: str = "bucket"
     lsh_duplicate_correction: bool = True
+    lsh_shared_qk: bool = True
     lsh_attention_probs_dropout_prob: float | None = None
 
     local_chunk_length: int = 64
@@ -97,6 +103,11 @@ class ZooReformerSettings(ZooConfig):
                                                            "for lsh_chunk_length.", optional=True)
         check_choice(self, "lsh_attend_to", LSH_ATTEND_TO)
         check_choice(self, "lsh_duplicate_correction", (True, False))
+        check_choice(self, "lsh_shared_qk", (True, False))
+        if not self.lsh_shared_qk and self.lsh_attend_to != "bucket":
+            fail("lsh_attend_to", self.lsh_attend_to, "with lsh_shared_qk=False a query and a key fall in buckets of "
+                                                      "their own, so no chunk of a shared sorted order holds both; "
+                                                      "set lsh_attend_to='bucket'.")
         check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
         check_probability(self, "local_attention_probs_dropout_prob", optional=True)
 

@@ -93,13 +93,17 @@ class SelfManagedCacheLayer(CacheLayerMixin):
             self._map(lambda t: t.to(self.device, non_blocking=True))
 
 
-def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, needed: int) -> torch.Tensor:
-    """store [B, h, N, d] with x [B, h, 1, d] written at token `index` [B] of each row; `needed` (a host number, so
-    no step waits for the device) bounds index + 1. The store grows by doubling, so appending a token does not copy
-    the whole store at every step."""
+def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, needed: int,
+                  spare: bool = True) -> torch.Tensor:
+    """store [B, h, N, ...] with x [B, h, 1, ...] written at token `index` [B] of each row (along axis 2); `needed` (a
+    host number, so no step waits for the device) bounds index + 1. With `spare` the store grows by doubling, so
+    appending a token does not copy the whole store at every step; without, it grows to `needed` exactly (as a KV
+    cache does: memory over speed). New slots are zeros."""
     if needed > store.shape[2]:
-        store = torch.nn.functional.pad(store, (0, 0, 0, max(needed, 2 * store.shape[2]) - store.shape[2]))
-    return store.scatter(2, index[:, None, None, None].expand(-1, store.shape[1], 1, store.shape[3]), x)
+        grow = (max(needed, 2 * store.shape[2]) if spare else needed) - store.shape[2]
+        store = torch.nn.functional.pad(store, (0, 0) * (store.dim() - 3) + (0, grow))
+    return store.scatter(2, index.view(-1, 1, 1, *([1] * (store.dim() - 3))).expand(
+        -1, store.shape[1], 1, *store.shape[3:]), x)
 
 
 class RecurrentStateLayer(SelfManagedCacheLayer):

@@ -14,9 +14,9 @@ from attnzoo import ZooHybridConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation, build_attention
 from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
-from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
+from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention, candidate_positions
 from attnzoo.modeling.attention.window import left_align, restore_order
-from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     assert_same_values_and_gradients,
@@ -153,10 +153,11 @@ def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
     assert (window_and_sinks_only(attn, x, mask, None)[0, 40] - recalled).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("correction", [True, False])
-def test_decoding_keeps_one_key_and_value_per_token_and_equals_the_full_forward(correction):
+@pytest.mark.parametrize("settings", [{"lsh_duplicate_correction": True}, {"lsh_duplicate_correction": False},
+                                      {"lsh_shared_qk": False}, {"lsh_shared_qk": False, "lsh_hash_seed": 5}])
+def test_decoding_keeps_each_key_once_and_equals_the_full_forward(settings):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(lsh_duplicate_correction=correction)).double().eval()
+    model = AutoModelForCausalLM.from_config(config(**settings)).double().eval()
     ids = torch.randint(1, 37, (2, 30))
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
@@ -164,22 +165,56 @@ def test_decoding_keeps_one_key_and_value_per_token_and_equals_the_full_forward(
     out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
     steps = [out.logits]
     ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
+    window = model.config.window_size
+    key_heads = 4 if settings.get("lsh_shared_qk", True) else 2  # shared QK: one key per query head
     for t in range(6, 24):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
         slot = output_cache(out).layers[0]
-        # The window's ring, and LSH's far state: every real token's shared-QK vector and value at its position
-        # (values with their key/value heads), the prefill's rotations and the bucket lists of a fixed size.
-        assert type(slot) is RecurrentStateLayer and slot.get_seq_length() == t + 1
-        assert set(slot.state) == ring | {"lsh_keys", "lsh_values", "lsh_rotations", "lsh_recent"}
+        # The window's ring, and LSH's far state: each token's buckets (indices, one per head and round), and the
+        # keys and values that have left the window (the ring holds the others), each kept once. Evaluation
+        # rotations are drawn again from the seed at every step; per-example ones (lsh_hash_seed) are kept.
+        kept = {"lsh_buckets", "lsh_keys", "lsh_values"} | ({"lsh_rotations"} if "lsh_hash_seed" in settings else set())
+        assert type(slot) is RecurrentStateLayer and set(slot.state) == ring | kept
         assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
-        assert t + 1 <= slot.state["lsh_keys"].shape[2] <= 2 * (t + 1)  # real tokens, room to grow by doubling
-        assert slot.state["lsh_values"].shape[1] == 2  # key/value heads, not repeated
-        assert slot.state["lsh_recent"].shape == (2, 4, 2, 4 + 1, 4)  # [B, H, rounds, buckets + padding, K]
+        assert slot.state["lsh_buckets"].shape == (2, 4 * 2, t + 1) and slot.state["lsh_buckets"].dtype == torch.int16
+        assert slot.state["lsh_keys"].shape == (2, key_heads, t + 1 - window, 8)
+        assert slot.state["lsh_values"].shape == (2, 2, t + 1 - window, 8)  # key/value heads, not repeated
     cache = output_cache(out)
     steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096, 16384])
+def test_the_decoding_state_is_no_larger_than_a_kv_cache(tokens):
+    """Each token's key and value kept once, bucket membership as 2-byte indices, nothing per bucket: after a prefill
+    of 1K-16K tokens and a step, an LSH layer (separate queries and keys, 2 key/value heads for 4 query heads, as a
+    Llama converts) holds at most 1.05x what the same layer's exact attention keeps in its KV cache."""
+    torch.manual_seed(0)
+    settings = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, attention_head_size=None,
+                    window_size=32, num_sink_tokens=4, lsh_chunk_length=32, lsh_num_buckets=None,
+                    max_position_embeddings=4096, lsh_num_hashes=2, position_embedding_type="rotary")
+    lsh = build_attention("lsh_window", config(lsh_shared_qk=False, **settings), 0, True).eval()
+    exact = build_attention("full", config(**settings), 0, True).eval()
+    x = torch.randn(1, tokens + 1, 128)
+    positions = torch.arange(tokens + 1)[None]
+    sizes = {}
+    for name, attn in (("lsh", lsh), ("exact", exact)):
+        cache = ZooCache([attn.new_cache_layer()])
+        with torch.no_grad():
+            attn(x[:, :tokens], cache=cache, position_ids=positions[:, :tokens])
+            attn(x[:, tokens:], cache=cache, position_ids=positions[:, tokens:])
+        sizes[name] = sum(t.numel() * t.element_size() for t in tensors_of(vars(cache.layers[0])))
+    assert sizes["lsh"] <= 1.05 * sizes["exact"], sizes
+
+
+def tensors_of(value):
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    return [t for v in value for t in tensors_of(v)] if isinstance(value, list | tuple) else []
 
 
 def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatch):
@@ -220,3 +255,68 @@ def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
 def test_encoder_layers_are_refused():
     with pytest.raises(ValueError, match="lsh_window"):
         build_attention("lsh_window", config(), 0, False)
+
+
+# -- separate queries and keys (lsh_shared_qk=False) ---------------------------------------------------------------
+@pytest.mark.parametrize("window, sinks, correction, hashes", [(4, 2, True, 2), (4, 2, False, 2), (1, 0, True, 3),
+                                                               (5, 7, True, 1), (3, 0, True, 2)])
+def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes):
+    attn = layer(window_size=window, num_sink_tokens=sinks, lsh_duplicate_correction=correction, lsh_shared_qk=False,
+                 lsh_num_hashes=hashes)
+    assert [name for name, _ in attn.named_children()] == ["rotary", "q_proj", "k_proj", "v_proj", "o_proj"]
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64, requires_grad=True)
+    mask, positions = left_padded()
+    fast = attn(x, attention_mask=mask, position_ids=positions)
+    reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
+    alone = attn(x[1:, 5:], position_ids=positions[1:, 5:])
+    torch.testing.assert_close(fast[1, 5:], alone[0], rtol=1e-10, atol=1e-12)
+
+
+def test_separate_queries_and_keys_retrieve_the_most_recent_keys_of_the_query_bucket():
+    """The candidates of a query are, per round, the `keep` latest earlier keys whose bucket is the query's."""
+    generator = torch.Generator().manual_seed(0)
+    query_buckets = torch.randint(0, 3, (2, 1, 2, 40), generator=generator)
+    key_buckets = torch.randint(0, 3, (2, 1, 2, 40), generator=generator)
+    found = candidate_positions(query_buckets, key_buckets, keep=4)
+    for b, r, i in [(0, 0, 0), (0, 1, 17), (1, 0, 39), (1, 1, 5)]:
+        expected = [j for j in range(i - 1, -1, -1) if key_buckets[b, 0, r, j] == query_buckets[b, 0, r, i]][:4]
+        assert found[b, 0, r, i].tolist() == expected + [-1] * (4 - len(expected))
+
+
+def test_a_window_wider_than_the_sequence_is_exact_softmax_with_separate_queries_and_keys():
+    covering = layer(window_size=32, num_sink_tokens=0, lsh_shared_qk=False)
+    full = build_attention("full", config(), 0, True).double().eval()
+    full.load_state_dict(covering.state_dict())
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64)
+    mask, positions = left_padded()
+    got = covering(x, attention_mask=mask, position_ids=positions)
+    torch.testing.assert_close(got[mask], full(x, attention_mask=mask, position_ids=positions)[mask], rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_plain_lsh_refuses_separate_queries_and_keys_and_chunk_windows_need_shared_ones():
+    with pytest.raises(ValueError, match=r"lsh_shared_qk=False is available in 'lsh_window' layers"):
+        build_attention("lsh", config(lsh_shared_qk=False), 0, True)
+    with pytest.raises(ValueError, match=r"lsh_attend_to='chunk' is invalid.*set lsh_attend_to='bucket'"):
+        config(lsh_shared_qk=False, lsh_attend_to="chunk")
+
+
+def test_separate_queries_and_keys_train_in_a_reversible_stack_like_plain_autograd():
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(lm_config(attn_layers=["local", "lsh_window"], reversible=True, window_size=3,
+                                             num_sink_tokens=1, lsh_hash_seed=None, lsh_shared_qk=False,
+                                             num_hidden_layers=4, hidden_dropout_prob=0.1))
+    model = model.double().train()
+    ids = torch.randint(2, 37, (2, 14))
+    results = []
+    for use_reversible_backward in (True, False):
+        model.model.transformer.use_reversible_backward = use_reversible_backward
+        model.zero_grad()
+        torch.manual_seed(123)  # the same rotations and dropout masks in both runs
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-11, msg=name)

@@ -565,3 +565,24 @@ print(json.dumps({{"difference": difference, "same": same, "max_new_tokens": mod
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["difference"] < 1e-5 and result["same"]
     assert result["max_new_tokens"] == 7 and result["class"] == "ZooSoftmaxForCausalLM"
+
+
+def test_lsh_window_with_separate_queries_and_keys_keeps_the_key_projection_and_the_source_logits(monkeypatch):
+    """With lsh_shared_qk=false the LSH layers keep the source's q, k, v and o projections (nothing dropped), and a
+    window wider than the sequence makes every key near: the source's logits, as for the other windowed layers."""
+    source = tiny_source()
+    keep_float64_norms(monkeypatch, source)
+    report = ConversionReport()
+    model = llama.convert(source, "reformer", {"attn_layers": ["lsh_window"], "lsh_shared_qk": False,
+                                               "window_size": 64, "num_sink_tokens": 0}, report=report)
+    assert report.dropped == [] and report.fresh == []
+    attn, original = model.model.transformer.blocks[0].attn, source.model.layers[0].self_attn
+    assert torch.equal(attn.k_proj.weight, original.k_proj.weight)
+    ids = token_ids(length=60)
+    with torch.no_grad():
+        assert max_difference(model(ids).logits, source(ids).logits) < 1e-10
+    # a window narrower than the sequence: the far part (LSH over the source's own queries and keys) takes over
+    narrow = llama.convert(source, "reformer", {"attn_layers": ["lsh_window"], "lsh_shared_qk": False,
+                                                "window_size": 16, "num_sink_tokens": 4})
+    with torch.no_grad():
+        assert 0 < max_difference(narrow(ids).logits, source(ids).logits) < 10

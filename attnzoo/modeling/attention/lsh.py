@@ -210,6 +210,10 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
         self.query_key, self.value = self.projection(), self.projection(key_value=True)
         self.output = self.projection(into_heads=False)
         self.read_lsh_settings(config)
+        if not config.lsh_shared_qk:
+            raise ValueError("lsh_shared_qk=False is available in 'lsh_window' layers (separate queries and keys, "
+                             "their window exact), not yet in plain 'lsh' ones; use attn_layers=['lsh_window'] or "
+                             "lsh_shared_qk=True.")
         threshold = config.lsh_full_attention_threshold
         self.full_attention_threshold = self.chunk_length if threshold is None else threshold
 

@@ -29,9 +29,11 @@ chunked `lsh_attention` (`lsh.LSHBuckets`, the "lsh" attention's) with a `FarKey
 `chunked_attention`: the fused kernels do not read that mask), beside the blocked window scores of the near part:
 O(L · (rounds · (chunks_before + 1) · chunk_length + 2W + S)) time and memory. `lsh_full_attention_threshold` is not
 read: the exact window is this layer's full attention for nearby keys. Causal decoders only. Decoding keeps, beside
-the window's ring, every real token's key and value at its position, the rotations, and each bucket's K most recent
-positions: a new token costs O((S + W + rounds · K) · head_dim). With the "bucket" setting it equals the full
-forward (docs/lsh_attention.md, §5).
+the window's ring, each token's buckets as indices and the keys and values that have left the window, each once (no
+larger than a KV cache; the evaluation rotations are drawn again from the seed): a new token costs
+O((S + W + rounds · K) · head_dim + rounds · n). With the "bucket" setting it equals the full forward
+(docs/lsh_attention.md, §6). With `lsh_shared_qk=False` queries and keys keep their own projections and are hashed
+apart, and the far part gathers each query's candidates (docs/lsh_attention.md, §7).
 """
 
 from __future__ import annotations
@@ -43,13 +45,7 @@ import torch
 
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention, head_projection
 from attnzoo.modeling.attention.lsh import LSHBuckets
-from attnzoo.modeling.attention.lsh_hashing import (
-    hash_buckets,
-    inverse_permutation,
-    normalize_keys,
-    recent_keys_by_bucket,
-    sort_by_bucket,
-)
+from attnzoo.modeling.attention.lsh_hashing import hash_buckets, inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
 from attnzoo.modeling.attention.windowed import FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import write_at_rows
@@ -71,6 +67,11 @@ class FarKeyMask(ChunkMask):
         return super().disallowed() | ~far
 
 
+def gather_heads(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """store [B, H, N, d] read at index [B, H, n] -> [B, H, n, d]."""
+    return store.gather(2, index[..., None].expand(-1, -1, -1, store.shape[-1]))
+
+
 def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """store [B, kv_heads, N, d] read at index [B, H, n] for each query head (head h reads key/value head
     h // (H / kv_heads)) -> [B, H, n, d], without repeating the store."""
@@ -81,25 +82,42 @@ def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return store.reshape(batch, kv_heads * length, dim).gather(1, flat).view(batch, heads, -1, dim)
 
 
+def candidate_positions(query_buckets: torch.Tensor, key_buckets: torch.Tensor, keep: int) -> torch.Tensor:
+    """[B, H, R, L, keep] positions of the `keep` most recent earlier keys j < i in query i's bucket, per round, -1
+    where there are fewer, for query and key buckets [B, H, R, L] (padding in a bucket no real query has). Keys are
+    sorted by (bucket, position); a query's candidates are the sorted keys just before its own (bucket, position)."""
+    length = key_buckets.shape[-1]
+    position = torch.arange(length, device=key_buckets.device)
+    codes, order = (key_buckets * length + position).sort(dim=-1)
+    before = torch.searchsorted(codes, (query_buckets * length + position).contiguous())  # keys with a smaller code
+    slots = before[..., None] - 1 - torch.arange(keep, device=key_buckets.device)  # most recent first
+    flat = slots.clamp(min=0).flatten(-2)
+    found = order.gather(-1, flat).view_as(slots)
+    same = (codes.gather(-1, flat).view_as(slots) // length) == query_buckets[..., None]
+    return torch.where((slots >= 0) & same, found, -1)
+
+
 @register_far_part("lsh")
 class LSHFarPart(LSHBuckets, FarPart):
-    """LSH's bucket attention beyond the window; see the module docstring. Scores are LSH's (shared QK, keys
-    normalised, no scaling, a query's own key penalised), so the near part scores the same way."""
+    """LSH's bucket attention beyond the window; see the module docstring. With shared QK (the Reformer's) scores are
+    LSH's (keys normalised, no scaling, a query's own key penalised), so the near part scores the same way; with
+    separate queries and keys (`lsh_shared_qk=False`) both parts score q·k / √d, as the source model does."""
 
     family_config = "ZooReformerSettings"
     plain_kind = "lsh"
-    projection_names = ChunkedAttention.projection_names
+    projection_names = ChunkedAttention.projection_names + FarPart.projection_names
     head_size_field = "reformer_head_size"
-    penalises_own_key = True
     causal = True
     # FarKeyMask adds a condition that only the PyTorch path reads.
     chunk_backend = "torch"
 
     def __init__(self, layer, config):
+        self.shared_qk = config.lsh_shared_qk  # before the projections are built
         super().__init__(layer, config)
         self.chunk_length, self.chunks_before, self.chunks_after = config.lsh_chunk_length, \
             config.lsh_num_chunks_before, 0
-        self.dropout = config.lsh_attention_probs_dropout_prob
+        dropout = config.lsh_attention_probs_dropout_prob
+        self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
         self.read_lsh_settings(config)
 
     @property
@@ -108,32 +126,76 @@ class LSHFarPart(LSHBuckets, FarPart):
 
     # -- projections and the near part's scores ---------------------------------------------------------------------
     def build_projections(self) -> None:
+        if not self.shared_qk:
+            return super().build_projections()
         # Shared QK has one head per query head; grouped-query models group the values only.
         layer = self.layer
         layer.query_key, layer.value = head_projection(layer), head_projection(layer, key_value=True)
         layer.output = head_projection(layer, into_heads=False)
 
     def project(self, hidden_states, position_ids=None, past: int = 0):
-        """(qk, qk, v): the shared query-key vectors (rotated in rotary models, before hashing) as both queries and
-        keys, and the values with their key/value heads, in the model's dtype."""
+        """Shared QK: (qk, qk, v), the shared query-key vectors (rotated in rotary models, before hashing) as both
+        queries and keys and the values with their key/value heads, in the model's dtype. Separate: q, k, v as
+        every windowed layer projects them."""
+        if not self.shared_qk:
+            return super().project(hidden_states, position_ids, past)
         layer = self.layer
         qk = layer.split_heads(layer.query_key(hidden_states))
         qk = layer.rotate(qk, layer.rotation(position_ids, past, qk.shape[2], qk.device, qk.dtype))
         return qk, qk, layer.split_heads(layer.value(hidden_states))
 
     def output(self, x):
-        return self.layer.output(x)
+        return self.layer.output(x) if self.shared_qk else super().output(x)
 
     def near_keys(self, k):
-        return normalize_keys(k)  # one head per query head already
+        return normalize_keys(k) if self.shared_qk else super().near_keys(k)  # shared: one head per query head
 
     @property
     def scale(self) -> float:
-        return 1.0
+        return 1.0 if self.shared_qk else super().scale
+
+    @property
+    def penalises_own_key(self) -> bool:
+        return self.shared_qk
 
     @property
     def near_dropout(self) -> float:
         return self.dropout_rate
+
+    def _far_logits(self, q, keys):
+        """Scores of queries q [..., T, d] against the keys retrieved for them [..., T, n, d] (shared QK: normalised,
+        unscaled)."""
+        if self.shared_qk:
+            return torch.einsum("...td,...tnd->...tn", q, normalize_keys(keys))
+        return torch.einsum("...td,...tnd->...tn", q, keys) * self.scale
+
+    # -- hashing ----------------------------------------------------------------------------------------------------
+    def _rotations_recomputable(self) -> bool:
+        """Whether the rotations are a function of the seed alone (evaluation with `eval_seed`): decoding then draws
+        them again instead of keeping them."""
+        return self.hash_seed is None and self.rotation_seed() is not None
+
+    def _hash_keys(self, k, rotations, factors, valid):
+        """Key buckets [B, H, R, L]: separate keys are hashed per query head, with that head's rotations."""
+        return self.hash_vectors(self.layer.expand_kv(k), rotations, factors, valid)
+
+    def _buckets(self, q, k, valid, recompute):
+        """(query buckets, key buckets [B, H, R, L], rotations or None) of this forward: hashed with new rotations
+        (and saved for a reversible stack's recomputation, which reuses them), or the saved ones when replaying."""
+        factors = self.bucket_factors()
+        if recompute is not None and recompute.replaying:
+            buckets = recompute.saved["buckets"]
+            if self.rotation_seed() is None:  # advance the global RNG as the first call did (dropout repeats)
+                self.draw_rotations(q.shape[0], buckets.shape[2], factors, q.device)
+            return buckets, recompute.saved.get("key_buckets", buckets), None
+        rotations = self.draw_rotations(q.shape[0], self.num_hashes, factors, q.device)
+        query_buckets = self.hash_vectors(q, rotations, factors, valid)
+        key_buckets = query_buckets if self.shared_qk else self._hash_keys(k, rotations, factors, valid)
+        if recompute is not None:
+            recompute.saved["buckets"] = query_buckets
+            if not self.shared_qk:
+                recompute.saved["key_buckets"] = key_buckets
+        return query_buckets, key_buckets, rotations
 
     # -- the parallel form ------------------------------------------------------------------------------------------
     def window_mask(self, **fields) -> FarKeyMask:
@@ -142,31 +204,17 @@ class LSHFarPart(LSHBuckets, FarPart):
         fields["self_penalty"] = False
         return FarKeyMask(**fields, window_size=self.layer.window_size, sinks=self.layer.sinks)
 
-    def _buckets(self, qk, valid, recompute):
-        """[B, H, R, L] buckets of this forward: hashed with new rotations (and saved for a reversible stack's
-        recomputation, which reuses them), or the saved ones when replaying; (buckets, rotations or None)."""
-        factors = self.bucket_factors()
-        if recompute is not None and recompute.replaying:
-            buckets = recompute.saved["buckets"]
-            if self.rotation_seed() is None:  # advance the global RNG as the first call did (dropout repeats)
-                self.draw_rotations(qk.shape[0], buckets.shape[2], factors, qk.device)
-            return buckets, None
-        rotations = self.draw_rotations(qk.shape[0], self.num_hashes, factors, qk.device)
-        buckets = self.hash_vectors(qk, rotations, factors, valid)
-        if recompute is not None:
-            recompute.saved["buckets"] = buckets
-        return buckets, rotations
-
     def parallel(self, q, k, v, n_real, recompute=None, state=None):
         length = q.shape[2]
         num_buckets = math.prod(self.bucket_factors())
         valid = torch.arange(length, device=q.device)[None, :] < n_real[:, None]
-        buckets, rotations = self._buckets(q, valid, recompute)  # padding in the extra bucket, which sorts last
+        query_buckets, key_buckets, rotations = self._buckets(q, k, valid, recompute)  # padding: the extra bucket
         if state is not None:
-            state.state.update(lsh_keys=q, lsh_values=v, lsh_rotations=rotations,
-                               lsh_recent=recent_keys_by_bucket(buckets, num_buckets, self.recent_size))
+            self._start_state(state, k, v, key_buckets, rotations)
+        if not self.shared_qk:
+            return self._far_of_candidates(q, k, v, candidate_positions(query_buckets, key_buckets, self.recent_size))
         m = self.chunk_length
-        buckets = pad_to_multiple(buckets, m, dim=3, value=num_buckets)
+        buckets = pad_to_multiple(query_buckets, m, dim=3, value=num_buckets)
         # On a recomputation the backward follows at once: keeping the probabilities costs no peak memory.
         replaying = recompute is not None and recompute.replaying
         out, lse = self.lsh_attention(pad_to_multiple(q, m, dim=2), pad_to_multiple(self.layer.expand_kv(v), m, dim=2),
@@ -174,58 +222,109 @@ class LSHFarPart(LSHBuckets, FarPart):
                                       return_lse=True)
         return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
 
+    def _far_of_candidates(self, q, k, v, candidates):
+        """The far triple of left-aligned queries q [B, H, L, d] over their candidates [B, H, R, L, K] (positions of
+        keys k, v [B, kv_heads, L, d]; -1: none): the candidates beyond the window, one softmax, a key listed in
+        several rounds counted once with the duplicate correction."""
+        batch, heads, rounds, length, keep = candidates.shape
+        index = candidates.permute(0, 1, 3, 2, 4).reshape(batch, heads, length, rounds * keep)
+        position = torch.arange(length, device=q.device)[None, None, :, None]
+        return self._far_softmax(q, index, position, gather_grouped(k, index.clamp(min=0).flatten(2)).view(
+            batch, heads, length, rounds * keep, -1), gather_grouped(v, index.clamp(min=0).flatten(2)).view(
+            batch, heads, length, rounds * keep, -1))
+
+    def _far_softmax(self, q, index, position, keys, values):
+        """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at
+        `index` [B, H, T, n] (-1: none; keys, values [B, H, T, n, d] gathered there): those beyond the window."""
+        far = (index >= 0) & beyond_window(position, index, self.layer.window_size, self.layer.sinks)
+        index = torch.where(far, index, -1)
+        logits = self._far_logits(q, keys)
+        if self.duplicate_correction:
+            counts = (index[..., :, None] == index[..., None, :]).sum(-1)
+            logits = logits - counts.to(logits.dtype).log()
+        num, den, lse = normalised_far(logits.masked_fill(~far, float("-inf")).unsqueeze(-2), values)
+        return num.squeeze(-2), den.squeeze(-1), lse.squeeze(-1)
+
     # -- decoding ---------------------------------------------------------------------------------------------------
+    def _start_state(self, state, k, v, key_buckets, rotations):
+        """Every key's buckets (as [B, H * R, L] indices), the keys and values that have left the window (positions
+        below L - W; the ring holds the rest) and, unless decoding can draw them again, the rotations."""
+        batch, heads, rounds, length = key_buckets.shape
+        dtype = torch.int16 if math.prod(self.bucket_factors()) < torch.iinfo(torch.int16).max else torch.int32
+        gone = max(length - self.layer.window_size, 0)
+        state.state.update(lsh_buckets=key_buckets.reshape(batch, heads * rounds, length).to(dtype),
+                           lsh_keys=k[:, :, :gone], lsh_values=v[:, :, :gone])
+        if not self._rotations_recomputable():
+            state.state["lsh_rotations"] = rotations
+
     def step(self, state, q, k, v, real, position, leaving):
-        """One new token per row: hash it with the prefill's rotations, join its buckets' recent lists (as LSH
-        does), store its key and value at its position, and attend to the recent keys of its buckets that are far
-        from it, a key listed in several rounds counted once with the duplicate correction (Appendix A)."""
+        """One new token per row: hash its query (and key) with the prefill's rotations, find the most recent earlier
+        keys of the query's bucket among the stored bucket indices, record the new key's buckets and the key that
+        leaves the window, and attend to the candidates that are far from the token."""
         stored = state.state
         batch, heads, _, dim = q.shape
         factors = self.bucket_factors()
-        buckets = hash_buckets(q, stored["lsh_rotations"], factors)  # [B, H, R, 1]
-        buckets = buckets.masked_fill(~real[:, None, None, None], math.prod(factors))
-        rounds, keep = buckets.shape[2], self.recent_size
-        rows = buckets[..., None].expand(batch, heads, rounds, 1, keep)
-        previous = stored["lsh_recent"].gather(3, rows)  # [B, H, R, 1, K], before this token joins
-        joined = torch.cat([previous[..., 1:], position.view(batch, 1, 1, 1, 1).expand(-1, heads, rounds, 1, 1)], -1)
-        stored["lsh_recent"] = stored["lsh_recent"].scatter(3, rows, joined)
-        needed = state.get_seq_length() + 1  # positions never exceed the tokens seen
-        stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], position, q, needed)
-        stored["lsh_values"] = write_at_rows(stored["lsh_values"], position, v, needed)
-        index = previous[:, :, :, 0].reshape(batch, heads, rounds * keep)  # positions; -1: none
-        far = (index >= 0) & beyond_window(position[:, None, None], index, self.layer.window_size, self.layer.sinks)
-        index = torch.where(far, index, -1)
-        safe = index.clamp(min=0)
-        keys = stored["lsh_keys"].gather(2, safe[..., None].expand(-1, -1, -1, dim))
-        logits = q @ normalize_keys(keys).transpose(-1, -2)  # [B, H, 1, R*K]
-        if self.duplicate_correction:
-            counts = (index[..., :, None] == index[..., None, :]).sum(-1)
-            logits = logits - counts.to(logits.dtype).log()[:, :, None]
-        return normalised_far(logits.masked_fill(~far[:, :, None], float("-inf")),
-                              gather_grouped(stored["lsh_values"], safe))
+        rotations = stored.get("lsh_rotations")
+        if rotations is None:
+            rotations = self.draw_rotations(batch, self.num_hashes, factors, q.device)
+        rounds = rotations.shape[2]
+        not_real = ~real[:, None, None, None]
+        query_buckets = hash_buckets(q, rotations, factors).masked_fill(not_real, math.prod(factors))
+        key_buckets = query_buckets if self.shared_qk else \
+            hash_buckets(self.layer.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
+        seen = state.get_seq_length()  # tokens so far (padding included): a host bound on every position
+        buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
+        earlier = torch.arange(buckets.shape[-1], device=q.device) < position[:, None, None, None]
+        listed = torch.where((buckets == query_buckets) & earlier, torch.arange(buckets.shape[-1], device=q.device),
+                             -1)
+        candidates = listed.topk(min(self.recent_size, listed.shape[-1]), dim=-1).values  # most recent first
+        stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
+                                              key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),
+                                              seen + 1, spare=False)
+        leaving_k, leaving_v, _ = leaving  # the key at position - W, if there is one, goes to the store
+        slot, room = (position - self.layer.window_size).clamp(min=0), max(seen + 1 - self.layer.window_size, 1)
+        stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], slot, leaving_k, room, spare=False)
+        stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room, spare=False)
+        index = candidates.reshape(batch, heads, 1, -1)
+        safe = index.clamp(0, stored["lsh_keys"].shape[2] - 1).flatten(2)  # a key still in the window: not far
+        gather = gather_grouped if stored["lsh_keys"].shape[1] != heads else gather_heads
+        keys = gather(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)
+        values = gather_grouped(stored["lsh_values"], safe).view(batch, heads, 1, index.shape[-1], -1)
+        return self._far_softmax(q, index, position[:, None, None, None], keys, values)
 
     # -- reference --------------------------------------------------------------------------------------------------
     def reference(self, q, k, v, valid, far, recompute=None):
         """Dense [L, L] form in the tokens' own order: per round, key j is a candidate of query i when LSH's window
-        lists it (same bucket within K sorted slots before, or within the neighbouring chunks); the far keys listed
-        in c_ij rounds get the logit s_ij + log(c_ij) (the rounds' log-sum-exp combination), or s_ij with the
-        duplicate correction. Rotations are drawn as `parallel` draws them, or the buckets come from a replaying
-        `recompute` (saved in left-aligned order)."""
+        lists it (shared QK: same bucket within K sorted slots before, or within the neighbouring chunks; separate:
+        one of the K most recent earlier keys in the query's bucket); the far keys listed in c_ij rounds get the
+        logit s_ij + log(c_ij) (the rounds' log-sum-exp combination), or s_ij with the duplicate correction.
+        Rotations are drawn as `parallel` draws them, or the buckets come from a replaying `recompute` (saved in
+        left-aligned order)."""
         if recompute is not None and recompute.replaying:
-            buckets = restore_order(recompute.saved["buckets"].transpose(2, 3), left_align(valid)).transpose(2, 3)
+            order = left_align(valid)
+            query_buckets, key_buckets = (
+                restore_order(recompute.saved[name].transpose(2, 3), order).transpose(2, 3)
+                for name in ("buckets", "key_buckets" if "key_buckets" in recompute.saved else "buckets"))
         else:
-            buckets, _ = self._buckets(q, valid, None)
-        slots = inverse_permutation(sort_by_bucket(buckets))  # [B, H, R, L]
+            query_buckets, key_buckets, _ = self._buckets(q, k, valid, None)
         m, before = self.chunk_length, self.chunks_before
-        if self.attend_to == "chunk":
+        same = key_buckets[..., None, :] == query_buckets[..., :, None]  # [B, H, R, L(query), L(key)]
+        if not self.shared_qk:  # the K most recent: fewer than K keys of the bucket lie between j and i
+            earlier = same & torch.ones_like(same[0, 0, 0]).tril(-1) & valid[:, None, None, None, :]
+            between = earlier.sum(-1, keepdim=True) - earlier.long().cumsum(-1)
+            candidate = earlier & (between < before * m)
+        elif self.attend_to == "chunk":
+            slots = inverse_permutation(sort_by_bucket(query_buckets))  # [B, H, R, L]
             chunk_gap = slots[..., None, :] // m - slots[..., :, None] // m
             candidate = (chunk_gap >= -before) & (chunk_gap <= 0)
         else:
+            slots = inverse_permutation(sort_by_bucket(query_buckets))
             slot_gap = slots[..., None, :] - slots[..., :, None]
-            candidate = (buckets[..., None, :] == buckets[..., :, None]) & (slot_gap >= -before * m) & (slot_gap <= 0)
+            candidate = same & (slot_gap >= -before * m) & (slot_gap <= 0)
         rounds_listing = candidate.sum(dim=2)  # [B, H, L, L]
         if self.duplicate_correction:
             rounds_listing = rounds_listing.clamp(max=1)
         listed = far[:, None] & (rounds_listing > 0)
-        logits = q @ normalize_keys(q).transpose(-1, -2) + rounds_listing.to(q.dtype).log()
+        keys = normalize_keys(q) if self.shared_qk else self.layer.expand_kv(k)
+        logits = (q @ keys.transpose(-1, -2)) * self.scale + rounds_listing.to(q.dtype).log()
         return normalised_far(logits.masked_fill(~listed, float("-inf")), self.layer.expand_kv(v))

@@ -27,6 +27,9 @@ POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "axial", "rotary", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
+#: how a layer's far part sees positions, and how its queries may scale (attnzoo/modeling/attention/far_positions.py)
+FAR_POSITIONS = ("rotary", "none")
+FAR_QUERY_SCALES = ("log", "learned")
 #: the fields of `ZooWindowSettings` (configuration/window.py), which every family's config had before
 WINDOW_SETTINGS = ("window_size", "num_sink_tokens")
 MODALITIES = ("text", "image")
@@ -124,6 +127,14 @@ class ZooConfig(PreTrainedConfig):
         position_embedding_type: "learned", "sinusoidal", "axial" (Reformer's factorised table), "rotary" (RoPE,
             "RoFormer", arXiv 2104.09864: q and k of every attention are rotated by position before the attention's
             own mechanism; no position is added to the embeddings and no length limit applies) or "none".
+        far_positions: per layer (a shorter list repeats), how the layer's far (global) part sees positions in rotary
+            models: "rotary" (the default) or "none" (the queries and keys before rotation: a windowed layer's far
+            part, or a whole "full" layer, which becomes a global layer without positions; the iRoPE / RNoPE-SWA
+            pattern is e.g. `attn_layers=[lsh_window, lsh_window, lsh_window, full]` with
+            `far_positions=[rotary, rotary, rotary, none]`). Only windowed attentions and "full" have such a part.
+        far_query_scale / far_query_scale_length: scaling of the queries of the far parts without positions with
+            the log of the position: None, "log" (Llama 4's 1 + 0.1 ln(floor((p + 1) / far_query_scale_length) + 1))
+            or "learned" (scalable-softmax's s ln(p + 1), s per head). See attnzoo/modeling/attention/far_positions.py.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
             (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
@@ -180,6 +191,9 @@ class ZooConfig(PreTrainedConfig):
     axial_pos_embds_dim: list[int] | tuple[int, ...] | None = None
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    far_positions: list[str] | tuple[str, ...] = ("rotary",)
+    far_query_scale: str | None = None
+    far_query_scale_length: int = 8192
 
     image_size: int = 224
     patch_size: int = 16
@@ -216,12 +230,33 @@ class ZooConfig(PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if self.attention_output_bias is None:
             self.attention_output_bias = self.attention_bias
+        if isinstance(self.far_positions, tuple):
+            self.far_positions = list(self.far_positions)
         if self.axial_pos_shape is not None:
             self.axial_pos_shape = list(self.axial_pos_shape)
         if self.axial_pos_embds_dim is not None:
             self.axial_pos_embds_dim = list(self.axial_pos_embds_dim)
         super().__post_init__(**kwargs)
         self.validate_architecture()
+
+    def _check_far_positions(self) -> None:
+        entries = list(self.far_positions) if isinstance(self.far_positions, list | tuple) else None
+        if not entries or any(entry not in FAR_POSITIONS for entry in entries):
+            fail("far_positions", self.far_positions, f"list one of {list(FAR_POSITIONS)} per layer (a shorter list "
+                                                      "repeats), e.g. ['rotary', 'rotary', 'rotary', 'none'].")
+        if len(entries) > max(self.num_hidden_layers, self.num_decoder_layers or 0):
+            fail("far_positions", entries, f"it lists {len(entries)} entries for {self.num_hidden_layers} layers; give "
+                                           "at most one per layer.")
+        if "none" in entries and self.position_embedding_type != "rotary":
+            fail("far_positions", entries, "a far part without positions drops the rotation of rotary models, but "
+                                           f"position_embedding_type={self.position_embedding_type!r}; set "
+                                           "position_embedding_type='rotary' or far_positions=['rotary'].")
+        check_choice(self, "far_query_scale", (None, *FAR_QUERY_SCALES))
+        if self.far_query_scale is not None and "none" not in entries:
+            fail("far_query_scale", self.far_query_scale, "it scales the queries of far parts without positions, and "
+                                                          "no layer has one; set far_positions (e.g. ['none']) or "
+                                                          "far_query_scale=None.")
+        check_positive_ints(self, ("far_query_scale_length",))
 
     def _fit_layout(self, name: str, depth_name: str) -> list[str]:
         """`attn_layers` (or `decoder_attn_layers`) as a list of at most one kind per layer. A list longer than the
@@ -342,6 +377,7 @@ class ZooConfig(PreTrainedConfig):
             fail("reversible_merge", self.reversible_merge, "the heads then read 2 * hidden_size features and cannot "
                                                             "share the input embedding; set tie_word_embeddings=False.")
         check_choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
+        self._check_far_positions()
         if self.position_embedding_type == "axial":
             self._check_axial()
         check_choice(self, "pooling", POOLING_TYPES)

@@ -18,6 +18,7 @@ from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPa
 
 from attnzoo.configuration.base import ZooConfig
 from attnzoo.modeling.attention import InitialisesBuffers, ZooAttention
+from attnzoo.modeling.attention.far_positions import FarQueryScale
 from attnzoo.modeling.backbone import ZooTransformer
 from attnzoo.modeling.cache import ZooCache
 from attnzoo.modeling.embeddings import AxialPositionEmbedding, PatchEmbedding
@@ -103,6 +104,8 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
             module.init_buffers()
         elif isinstance(module, RotaryEmbedding):
             init.copy_(module.inv_freq, module.table())
+        elif isinstance(module, FarQueryScale):
+            module.reset_parameters()
         elif isinstance(module, PatchEmbedding):
             if module.cls_token is not None:
                 init.trunc_normal_(module.cls_token, std=std)

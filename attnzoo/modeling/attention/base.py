@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
+from attnzoo.modeling.attention.far_positions import FarQueryScale, far_positions_of
 from attnzoo.modeling.rotary import RotaryEmbedding
 
 ATTENTION_REGISTRY: dict[str, type[ZooAttention]] = {}
@@ -86,6 +87,10 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: attention {kind!r} reads "
                          f"the settings of {' and '.join(missing)}, which {type(config).__name__} does not have; "
                          f"build the model with a config that has them: {', '.join(configs_having(config, required))}.")
+    if far_positions_of(config, layer_idx) == "none" and not cls.position_free_far_part:
+        raise ValueError(f"far_positions={list(config.far_positions)!r} is invalid: layer {layer_idx} ({kind!r}) has "
+                         "no far part that can do without positions (only the windowed attentions and 'full' have "
+                         "one); give that layer 'rotary'.")
     if getattr(config, "position_embedding_type", None) == "rotary" and \
             "position_ids" not in inspect.signature(cls.forward).parameters:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
@@ -129,6 +134,9 @@ class ZooAttention(nn.Module):
     #: names of the modules that project into and out of the heads (the weights a conversion carries); everything
     #: else an attention owns (feature maps, landmark transforms, ...) is its own, see `own_parameters`
     projection_names: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    #: whether the module has a far (global) part that `far_positions="none"` can take the rotation from (see
+    #: `far_view`): the windowed attentions' far parts, and "full" as a whole
+    position_free_far_part: ClassVar[bool] = False
 
     def __init__(self, config, layer_idx: int, causal: bool, head_dim: int | None = None):
         super().__init__()
@@ -141,6 +149,10 @@ class ZooAttention(nn.Module):
         self.hidden_size = config.hidden_size
         rotary = getattr(config, "position_embedding_type", None) == "rotary"
         self.rotary = RotaryEmbedding(config, self.head_dim) if rotary else None
+        self.far_positions = far_positions_of(config, layer_idx) if self.position_free_far_part else "rotary"
+        scale = getattr(config, "far_query_scale", None) if self.far_positions == "none" else None
+        self.far_query_scale = None if scale is None else FarQueryScale(
+            scale, self.num_heads, config.far_query_scale_length, config.max_position_embeddings)
 
     def build_projections(self) -> None:
         """The usual separate q, k, v and output projections (`q_proj`, `k_proj`, `v_proj`, `o_proj`); k and v have
@@ -167,6 +179,18 @@ class ZooAttention(nn.Module):
         if position_ids is None:  # `past` may be a static slot's 0-d count: no host value is read
             position_ids = (past + torch.arange(length, device=device))[None]
         return self.rotary(position_ids, dtype)
+
+    def far_view(self, q, k, q_rotated, k_rotated, position_ids, past: int = 0):
+        """(q, k) as the module's far part sees them, from the queries and keys before and after rotation: rotated
+        ("rotary"), or not ("none"), with the queries scaled by `far_query_scale` at their positions (`position_ids`,
+        real positions, or `past, past + 1, ...`). Returns the rotated tensors themselves when nothing changes."""
+        if self.far_positions == "rotary":
+            return q_rotated, k_rotated
+        if self.far_query_scale is None:
+            return q, k
+        if position_ids is None:
+            position_ids = (past + torch.arange(q.shape[2], device=q.device))[None]
+        return q * self.far_query_scale(position_ids, q.dtype), k
 
     @staticmethod
     def rotate(x: torch.Tensor, rotation) -> torch.Tensor:

@@ -141,10 +141,12 @@ class LSHBuckets:
         return self.chunk_backend == "torch" or (
             self.chunk_backend == "auto" and resolve_backend("auto", x, "chunked_attention") == "torch")
 
-    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False):
+    def lsh_attention(self, qk, v, buckets, order, num_buckets, save_probs=False, return_lse=False, keys=None):
         """Chunked multi-round attention over [B, H, Lp, d] vectors (Lp a multiple of the chunk length), given the
         [B, H, R, Lp] buckets (padding in bucket `num_buckets`) and their sort order. With `return_lse`, also the
-        [B, H, Lp] log-sum-exp of every query over all its rounds' keys (the log of the output's normaliser)."""
+        [B, H, Lp] log-sum-exp of every query over all its rounds' keys (the log of the output's normaliser).
+        `keys`: the vectors the keys are normalised from, when they are not the queries' (queries scaled by
+        `far_query_scale`; same buckets)."""
         batch, heads, padded, dim = qk.shape
         rounds = buckets.shape[2]
         m, before, after = self.chunk_length, self.chunks_before, self.chunks_after
@@ -176,7 +178,8 @@ class LSHBuckets:
         mask = self.window_mask(positions=chunked(order), valid=chunked(sorted_buckets != num_buckets), before=before,
                                 after=after, causal=self.causal, self_penalty=True, groups=groups,
                                 group_band=band, round_locations=round_locations, round_band=round_band)
-        out, lse = chunked_attention(q_sorted, normalize_keys(q_sorted), v_sorted, mask, 1.0, self.dropout_rate,
+        k_sorted = q_sorted if keys is None else gather_rows(keys, flat_order).view_as(q_sorted)
+        out, lse = chunked_attention(q_sorted, normalize_keys(k_sorted), v_sorted, mask, 1.0, self.dropout_rate,
                                       save_probs, backend=self.chunk_backend)
         # Undo the sort of every round with one gather, then weight the rounds by softmax(lse) (Appendix A).
         flat_slots = (slots + torch.arange(rounds, device=qk.device)[:, None] * padded).reshape(

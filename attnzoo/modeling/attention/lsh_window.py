@@ -133,15 +133,14 @@ class LSHFarPart(LSHBuckets, FarPart):
         layer.query_key, layer.value = head_projection(layer), head_projection(layer, key_value=True)
         layer.output = head_projection(layer, into_heads=False)
 
-    def project(self, hidden_states, position_ids=None, past: int = 0):
-        """Shared QK: (qk, qk, v), the shared query-key vectors (rotated in rotary models, before hashing) as both
-        queries and keys and the values with their key/value heads, in the model's dtype. Separate: q, k, v as
-        every windowed layer projects them."""
+    def project(self, hidden_states):
+        """Shared QK: (qk, qk, v), the shared query-key vectors as both queries and keys and the values with their
+        key/value heads, in the model's dtype (the layer rotates them, before hashing: buckets then group vectors
+        that are close in content and position alike). Separate: q, k, v as every windowed layer projects them."""
         if not self.shared_qk:
-            return super().project(hidden_states, position_ids, past)
+            return super().project(hidden_states)
         layer = self.layer
         qk = layer.split_heads(layer.query_key(hidden_states))
-        qk = layer.rotate(qk, layer.rotation(position_ids, past, qk.shape[2], qk.device, qk.dtype))
         return qk, qk, layer.split_heads(layer.value(hidden_states))
 
     def output(self, x):
@@ -219,7 +218,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         replaying = recompute is not None and recompute.replaying
         out, lse = self.lsh_attention(pad_to_multiple(q, m, dim=2), pad_to_multiple(self.layer.expand_kv(v), m, dim=2),
                                       buckets, sort_by_bucket(buckets), num_buckets, save_probs=replaying,
-                                      return_lse=True)
+                                      return_lse=True, keys=None if k is q else pad_to_multiple(k, m, dim=2))
         return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
 
     def _far_of_candidates(self, q, k, v, candidates):
@@ -325,6 +324,6 @@ class LSHFarPart(LSHBuckets, FarPart):
         if self.duplicate_correction:
             rounds_listing = rounds_listing.clamp(max=1)
         listed = far[:, None] & (rounds_listing > 0)
-        keys = normalize_keys(q) if self.shared_qk else self.layer.expand_kv(k)
+        keys = normalize_keys(k) if self.shared_qk else self.layer.expand_kv(k)
         logits = (q @ keys.transpose(-1, -2)) * self.scale + rounds_listing.to(q.dtype).log()
         return normalised_far(logits.masked_fill(~listed, float("-inf")), self.layer.expand_kv(v))

@@ -42,7 +42,11 @@ def _sdpa(q, k, v, allowed, causal_without_mask: bool, dropout: float) -> torch.
 
 @register_attention("full")
 class SoftmaxAttention(ZooAttention):
-    """Multi-head exact attention; causal or bidirectional; padded keys excluded; KV cache for decoding."""
+    """Multi-head exact attention; causal or bidirectional; padded keys excluded; KV cache for decoding. With
+    `far_positions="none"` for its layer it is a global layer without positions (its queries and keys are not
+    rotated, its queries scaled as `far_query_scale` says)."""
+
+    position_free_far_part = True
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal)
@@ -64,7 +68,7 @@ class SoftmaxAttention(ZooAttention):
         if self.rotary is not None:
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
             rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
-            q, k = self.rotate(q, rotation), self.rotate(k, rotation)
+            q, k = self.far_view(q, k, self.rotate(q, rotation), self.rotate(k, rotation), position_ids, past)
         if cache is not None:  # the cache keeps the key/value heads before they are repeated for their groups
             k, v = cache.update(k, v, self.layer_idx)
         return q, self.expand_kv(k), self.expand_kv(v)

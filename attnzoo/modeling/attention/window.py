@@ -145,9 +145,11 @@ def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale:
 # keeps its far part's state beside them in the same slot: the sinks' keys and values [B, kv_heads, S, d] with their
 # validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
 # and the number of real tokens seen per row [B]. Its size does not grow with the context.
-def ring_start(k, v, n_real, window: int, sinks: int) -> dict[str, torch.Tensor]:
+def ring_start(k, v, n_real, window: int, sinks: int, far_k=None) -> dict[str, torch.Tensor]:
     """The ring after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
-    sinks = the first S real tokens, window = the last W real tokens of each row."""
+    sinks = the first S real tokens, window = the last W real tokens of each row. `far_k`: the keys as a far part
+    sees them, when they are not `k` (a far part without positions): the window keeps those too, for the far part to
+    take when they leave."""
     batch, kv_heads, length, dim = k.shape
     device = k.device
     sink_index = torch.arange(sinks, device=device)
@@ -158,22 +160,25 @@ def ring_start(k, v, n_real, window: int, sinks: int) -> dict[str, torch.Tensor]
     def take(x, index):
         return x.gather(2, index[:, None, :, None].expand(batch, x.shape[1], index.shape[1], x.shape[3]))
 
-    return {"sink_k": take(k, sink_take), "sink_v": take(v, sink_take),
+    ring = {"sink_k": take(k, sink_take), "sink_v": take(v, sink_take),
             "sink_valid": sink_index[None] < n_real[:, None], "window_k": take(k, window_take),
             "window_v": take(v, window_take), "window_pos": torch.where(window_index >= 0, window_index, -1),
             "count": n_real.clone()}
+    if far_k is not None:
+        ring["window_far_k"] = take(far_k, window_take)
+    return ring
 
 
 def ring_leaving(state, real, window: int, sinks: int):
     """(k, v [B, kv_heads, 1, d], joins [B]) of the key that leaves the window when a token at position
-    `state["count"]` arrives: the ring's oldest, which joins the far keys when the token is real and that key is at
-    position count - W and not a sink."""
+    `state["count"]` arrives: the ring's oldest (as the far part sees it), which joins the far keys when the token is
+    real and that key is at position count - W and not a sink."""
     position, leaving_pos = state["count"], state["window_pos"][:, 0]
     joins = real & (leaving_pos == position - window) & beyond_window(position, leaving_pos, window, sinks)
-    return state["window_k"][:, :, :1], state["window_v"][:, :, :1], joins
+    return state.get("window_far_k", state["window_k"])[:, :, :1], state["window_v"][:, :, :1], joins
 
 
-def ring_append(state, k, v, real, sinks: int) -> dict[str, torch.Tensor]:
+def ring_append(state, k, v, real, sinks: int, far_k=None) -> dict[str, torch.Tensor]:
     """The ring's tensors after one new token per row (k, v [B, kv_heads, 1, d]) when `real` [B]: into its sink slot
     while fewer than S tokens were seen, and into the window (the oldest token leaves). Padded tokens change
     nothing. Returns the new tensors; the caller stores them."""
@@ -189,6 +194,9 @@ def ring_append(state, k, v, real, sinks: int) -> dict[str, torch.Tensor]:
     new["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
     new["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]], 1),
                                     state["window_pos"])
+    if far_k is not None:
+        new["window_far_k"] = torch.where(gate, torch.cat([state["window_far_k"][:, :, 1:], far_k], 2),
+                                          state["window_far_k"])
     new["count"] = position + real.long()
     return new
 

@@ -117,14 +117,14 @@ class FarPart:
     def build_projections(self) -> None:
         self.layer.build_projections()
 
-    def project(self, hidden_states, position_ids=None, past: int = 0):
-        """q [B, H, L, d] and k, v [B, kv_heads, L, d] (the ring and the states keep the unrepeated heads), rotated
-        in rotary models, in float32 at least."""
+    def project(self, hidden_states):
+        """q [B, H, L, d] and k, v [B, kv_heads, L, d] (the ring and the states keep the unrepeated heads), in float32
+        at least, before rotary positions: the layer rotates them (and gives the far part the rotated or the plain
+        ones, as `far_positions` says)."""
         layer = self.layer
         compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        q, k, v = (layer.split_heads(p(hidden_states)).to(compute) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
-        rotation = layer.rotation(position_ids, past, q.shape[2], q.device, compute)
-        return layer.rotate(q, rotation), layer.rotate(k, rotation), v
+        projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+        return tuple(layer.split_heads(p(hidden_states)).to(compute) for p in projections)
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer.o_proj(x)
@@ -169,9 +169,11 @@ class FarPart:
 
 class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, ZooAttention):
     """An exact window with sinks plus the far part `far_part_class`, under one normalisation (module docstring).
-    Causal (decoder) layers only."""
+    Causal (decoder) layers only. The window always sees rotary positions; the far part sees the queries and keys
+    `far_positions` gives it (`far_view`)."""
 
     far_part_class: ClassVar[type[FarPart]]
+    position_free_far_part = True
 
     def __init__(self, config, layer_idx: int, causal: bool):
         far_part_class = self.far_part_class
@@ -200,27 +202,40 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
     def new_static_cache_layer(self, max_cache_len: int):
         return None  # the ring and the far states are updated out of place: no static slot yet
 
+    def _views(self, hidden_states, position_ids, past):
+        """(q, k, v, q_far, k_far): the near part's rotated queries and keys, the values, and what the far part
+        sees (the same tensors unless `far_positions` says otherwise)."""
+        q, k, v = self.far.project(hidden_states)
+        rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
+        q_rotated, k_rotated = self.rotate(q, rotation), self.rotate(k, rotation)
+        return (q_rotated, k_rotated, v, *self.far_view(q, k, q_rotated, k_rotated, position_ids, past))
+
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        q, k, v = self.far.project(hidden_states, position_ids, past)
+        q, k, v, q_far, k_far = self._views(hidden_states, position_ids, past)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer)
+            far_k = None if k_far is k else k_far
+            out = torch.cat([self._step(*(x[:, :, t:t + 1] for x in (q, k, v, q_far)), valid[:, t], layer,
+                                        None if far_k is None else far_k[:, :, t:t + 1])
                              for t in range(hidden_states.shape[1])], dim=2)
         else:
-            out = self._parallel(q, k, v, valid, layer, recompute)
+            out = self._parallel(q, k, v, q_far, k_far, valid, layer, recompute)
         return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
 
     # -- the parallel form -----------------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, valid, layer, recompute):
+    def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute):
         batch, heads, length, _ = q.shape
         w = self.window_size
         order = left_align(valid)
+        far_q = None if q_far is q else gather_tokens(q_far, order)
+        far_k = None if k_far is k else gather_tokens(k_far, order)
         q, k, v = (gather_tokens(x, order) for x in (q, k, v))
         n_real = valid.sum(-1)
-        far = self.far.parallel(q, k, v, n_real, recompute, layer)
+        far = self.far.parallel(q if far_q is None else far_q, k if far_k is None else far_k, v, n_real, recompute,
+                                layer)
         if layer is not None:
-            layer.store(length, **ring_start(k, v, n_real, w, self.sinks))
+            layer.store(length, **ring_start(k, v, n_real, w, self.sinks, far_k))
         scores, values = window_scores(q, self.far.near_keys(k), self.expand_kv(v), n_real, w, self.sinks, True,
                                        self.far.scale)  # [B, H, blocks, w, keys]
         blocks, num_keys = scores.shape[2], scores.shape[-1]
@@ -235,15 +250,16 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         return restore_order(out.reshape(batch, heads, blocks * w, -1)[:, :, :length], order)
 
     # -- decoding --------------------------------------------------------------------------------------------------
-    def _step(self, q, k, v, real, layer):
+    def _step(self, q, k, v, q_far, real, layer, far_k=None):
         """One new token per row (`real` [B]: whether it is a real token): the key leaving the window goes to the far
-        part, the token joins the ring, and it attends to the sinks and window exactly and to the far part."""
+        part, the token joins the ring, and it attends to the sinks and window exactly and to the far part.
+        `far_k`: the key as the far part sees it, when that is not `k`."""
         state = layer.state
         position = state["count"]  # [B]: this token's position when real
         leaving = ring_leaving(state, real, self.window_size, self.sinks)
-        ring = ring_append(state, k, v, real, self.sinks)
+        ring = ring_append(state, k, v, real, self.sinks, far_k)
         keys, values, allowed = ring_visible(ring, position, self.window_size, self.sinks)
-        far = self.far.step(layer, q, k, v, real, position, leaving)
+        far = self.far.step(layer, q_far, k if far_k is None else far_k, v, real, position, leaving)
         layer.store(1, **ring)
         scores = (q @ self.far.near_keys(keys).transpose(-1, -2)) * self.far.scale
         masked_value, own_value = mask_values(scores.dtype)
@@ -260,7 +276,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v = self.far.project(hidden_states, position_ids, 0)
+        q, k, v, q_far, k_far = self._views(hidden_states, position_ids, 0)
         near, far = dense_near_and_far(valid, self.window_size, self.sinks)
         own = torch.eye(length, dtype=torch.bool, device=q.device)
         near = near | (own[None] & ~valid[:, :, None])
@@ -268,7 +284,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         if self.far.penalises_own_key:
             scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
         out = combine(scores.masked_fill(~near[:, None], float("-inf")), self.expand_kv(v),
-                      *self.far.reference(q, k, v, valid, far, recompute))
+                      *self.far.reference(q_far, k_far, v, valid, far, recompute))
         return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 #: the tasks in it (a tag of the same name runs all three)
 LOCAL_TASKS = ("attnzoo_pydoc_perplexity", "attnzoo_pydoc_endings", "attnzoo_pydoc_next_word")
+#: the pass-key tasks in it, sized by `metadata` (lengths in the model's tokens; tasks/passkey/passkey_tasks.py)
+PASSKEY_TASKS = ("attnzoo_passkey", "attnzoo_passkey_distance")
 LOCAL_TAG = "attnzoo_pydoc"
 #: the oldest lm-eval the tests ran with (pyproject's `lm-eval` extra has the same lower bound)
 MIN_LM_EVAL_VERSION = (0, 4, 13)
@@ -40,7 +42,7 @@ def lm_eval_version() -> str:
     return version
 
 
-def task_manager(tasks: list[str], include_path: list[str | Path] = ()):
+def task_manager(tasks: list[str], include_path: list[str | Path] = (), metadata: dict | None = None):
     """An lm-eval `TaskManager` that finds attnzoo's task folder, the `include_path` folders and, only when some
     task is not among those, lm-eval's own tasks (indexing its ~15,000 YAML files takes seconds). Unknown names
     raise ValueError with the nearest known ones."""
@@ -50,10 +52,10 @@ def task_manager(tasks: list[str], include_path: list[str | Path] = ()):
     missing = [str(p) for p in folders if not Path(p).is_dir()]
     if missing:
         raise ValueError(f"--include_path {missing}: no such folder; pass folders that hold lm-eval task YAML files.")
-    local = TaskManager(include_path=[str(p) for p in folders], include_defaults=False)
+    local = TaskManager(include_path=[str(p) for p in folders], include_defaults=False, metadata=metadata)
     if all(_known(local, name) for name in tasks):
         return local
-    manager = TaskManager(include_path=[str(p) for p in folders])
+    manager = TaskManager(include_path=[str(p) for p in folders], metadata=metadata)
     unknown = [name for name in tasks if not _known(manager, name)]
     if unknown:
         hints = {name: difflib.get_close_matches(name, manager.all_tasks, n=3) for name in unknown}
@@ -68,10 +70,13 @@ def _known(manager, name: str) -> bool:
 
 def run(model_name_or_path: str | Path, tasks: list[str], *, include_path: list[str | Path] = (), batch_size=1,
         num_fewshot: int | None = None, limit: float | None = None, device: str = "cpu",
-        model_args: dict | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000) -> dict | None:
+        model_args: dict | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
+        metadata: dict | None = None) -> dict | None:
     """lm-eval's results dict for `tasks` (names, tags, groups or YAML files), or None on the processes other than
     the main one under `accelerate launch` (lm-eval splits the requests across them). `model_args` go to lm-eval's
-    `hf` model as `--model_args` do (e.g. trust_remote_code, dtype, mixed_precision_dtype, max_length)."""
+    `hf` model as `--model_args` do (e.g. trust_remote_code, dtype, mixed_precision_dtype, max_length);
+    `metadata` to the tasks as `--metadata` does (e.g. the pass-key tasks' `max_seq_lengths`), with the model's
+    arguments, as lm-eval's command gives them."""
     lm_eval_version()
     from lm_eval import simple_evaluate
 
@@ -81,8 +86,9 @@ def run(model_name_or_path: str | Path, tasks: list[str], *, include_path: list[
         raise ValueError(f"--lm_eval_limit={limit} must be positive (a count of documents, or a fraction below 1).")
     if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch size {batch_size!r} must be a positive integer or 'auto'.")
-    manager = task_manager(list(tasks), list(include_path))
-    return simple_evaluate(model="hf", model_args={"pretrained": str(model_name_or_path), **(model_args or {})},
+    model_args = {"pretrained": str(model_name_or_path), **(model_args or {})}
+    manager = task_manager(list(tasks), list(include_path), {**model_args, **(metadata or {})})
+    return simple_evaluate(model="hf", model_args=model_args,
                            tasks=list(tasks), task_manager=manager, batch_size=batch_size, num_fewshot=num_fewshot,
                            limit=limit, device=device, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
 

@@ -46,7 +46,7 @@ NOT_DATA = {"model_name_or_path", "model", "family", "output_dir", "resume_from_
             "mixed_precision", "num_beams", "length_penalty", "max_train_steps", "report_to"}
 #: the lm-eval options and their defaults: given without --lm_eval_tasks they would do nothing, so that is an error
 LM_EVAL_OPTIONS = {"include_path": [], "num_fewshot": None, "lm_eval_limit": None, "lm_eval_model_args": "",
-                   "trust_remote_code": False, "model_card": "auto"}
+                   "lm_eval_metadata": None, "trust_remote_code": False, "model_card": "auto"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="score only this many documents per task (below 1: this fraction); for quick checks")
     harness.add_argument("--lm_eval_model_args", default="",
                          help="more arguments of lm-eval's hf model, as its --model_args (e.g. dtype=bfloat16)")
+    harness.add_argument("--lm_eval_metadata", default=None,
+                         help="a JSON object for the tasks, as lm-eval's --metadata (e.g. the pass-key tasks' "
+                              "'{\"max_seq_lengths\": [1024, 4096]}')")
     harness.add_argument("--trust_remote_code", action="store_true",
                          help="let lm-eval run the checkpoint's own code (not needed for attnzoo's families here)")
     harness.add_argument("--model_card", default="auto",
@@ -180,6 +183,21 @@ def model_card_path(args) -> Path | None:
     return folder / "README.md" if folder.is_dir() else None
 
 
+def lm_eval_metadata(text: str | None) -> dict | None:
+    """--lm_eval_metadata as a dict; a ValueError naming the flag for anything but a JSON object."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--lm_eval_metadata {text!r} is not JSON ({error.msg}); pass an object, e.g. "
+                         "'{\"max_seq_lengths\": [1024]}'.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--lm_eval_metadata {text!r} is a JSON {type(value).__name__}; pass an object, e.g. "
+                         "'{\"max_seq_lengths\": [1024]}'.")
+    return value
+
+
 def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
     """lm-eval's `hf` model on the checkpoint: the results as rows, also written into the model card (None on the
     processes other than the main one)."""
@@ -210,7 +228,7 @@ def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
         limit = int(limit)  # lm-eval reads a float as a fraction of the task
     raw = harness.run(args.model_name_or_path, tasks, include_path=args.include_path,
                       batch_size=args.per_device_eval_batch_size, num_fewshot=args.num_fewshot, limit=limit,
-                      device=device, model_args=model_args)
+                      device=device, model_args=model_args, metadata=lm_eval_metadata(args.lm_eval_metadata))
     if raw is None:  # not the main process of a multi-process run: lm-eval reports on the main one
         return None
     rows = harness.summarize(raw)

@@ -445,6 +445,10 @@ def test_evaluate_script_refuses_bad_lm_eval_arguments(tmp_path, checkpoint):
         run_script("evaluate", [*base, "--lm_eval_tasks", LOCAL_TAG, "--lm_eval_limit", "0"])
     with pytest.raises(ValueError, match="data arguments"):
         run_script("evaluate", [*base, "--lm_eval_tasks", LOCAL_TAG, "--corpus", "enwik8"])
+    with pytest.raises(ValueError, match=r"--lm_eval_metadata '\[1024\]' is a JSON list; pass an object"):
+        run_script("evaluate", [*base, "--lm_eval_tasks", "attnzoo_passkey", "--lm_eval_metadata", "[1024]"])
+    with pytest.raises(ValueError, match=r"--lm_eval_metadata .* is not JSON"):
+        run_script("evaluate", [*base, "--lm_eval_tasks", "attnzoo_passkey", "--lm_eval_metadata", "{lengths"])
     with pytest.raises(ValueError, match=r"--num_fewshot.*add --lm_eval_tasks"):
         run_script("evaluate", ["--model_name_or_path", folder, "--num_fewshot", "5"])
     untokenized = tmp_path / "no_tokenizer"

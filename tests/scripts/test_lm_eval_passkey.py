@@ -5,6 +5,7 @@ way, continuation for continuation; the distance variant puts the key where it i
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 
 import pytest
@@ -80,3 +81,16 @@ def test_the_distance_task_puts_the_key_that_far_from_the_end(saved_model):
         context = document["context"]
         key_line = context.index(f"\nThe pass key is {document['passkey']}")  # the key line starts at its newline
         assert len(context) - key_line == document["distance"]  # bytes: one token each
+
+
+@needs_lm_eval
+def test_the_evaluate_script_passes_the_lengths_to_the_tasks(saved_model, tmp_path):
+    from tests.scripts_helpers import run_script
+
+    folder, _ = saved_model
+    out = tmp_path / "passkey.json"
+    run_script("evaluate", ["--model_name_or_path", folder, "--model_card", "none", "--lm_eval_tasks",
+                            "attnzoo_passkey", "--lm_eval_metadata", '{"max_seq_lengths": [300], "depths": [0.5], '
+                            '"trials": 3}', "--output_file", out])
+    found = json.loads(out.read_text())
+    assert [(row["task"], row["metric"], row["samples"]) for row in found["lm_eval"]] == [("attnzoo_passkey", "acc", 3)]

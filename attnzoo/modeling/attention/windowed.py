@@ -25,6 +25,11 @@ left-aligned rows), the decoding ring (`window.ring_*`: the sinks and the last W
 - `reference(q, k, v, valid, far, recompute)`: the same triple, written plainly over a dense [B, L, L] far mask in
   the tokens' own order.
 
+The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
+near part's, unless the layer's `far_positions` is "none" (then before rotation, the queries scaled as
+`far_query_scale` says; the ring then also keeps the window's keys as the far part sees them, to hand over as they
+leave). `project(hidden_states)` gives q, k, v before any rotation; the layer rotates.
+
 A far part whose estimate of exp(s_ij) is on the exact scale (FAVOR+'s and LARA's features) returns its sums with
 their common log scale; one that is normalised itself (LSH's bucket softmax, RA's far values) returns its output as
 the numerator, 1 as the denominator and its log-sum-exp of scores as the log scale (`normalised_far`). A query

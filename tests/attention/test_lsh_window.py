@@ -111,9 +111,12 @@ def test_training_forward_with_fresh_rotations_equals_the_reference_on_the_same_
     assert_same_values_and_gradients(attn, x, mask, fast, reference)
 
 
-def test_window_covering_everything_is_exact_shared_qk_attention_with_the_same_weights():
-    covering = layer(window_size=32, num_sink_tokens=0)
-    full = LSHAttention(config(lsh_full_attention_threshold=32), 0, True).double()  # LSH's full shared-QK path
+@pytest.mark.parametrize("shared_qk", [True, False])
+def test_window_covering_everything_is_exact_attention_with_the_same_weights(shared_qk):
+    """Shared QK: LSH's full shared-QK path; separate queries and keys: exact softmax, as the source computes."""
+    covering = layer(window_size=32, num_sink_tokens=0, lsh_shared_qk=shared_qk)
+    full = LSHAttention(config(lsh_full_attention_threshold=32), 0, True).double() if shared_qk else \
+        build_attention("full", config(), 0, True).double().eval()
     full.load_state_dict(covering.state_dict())
     x = torch.randn(2, LENGTH, 32, dtype=torch.float64)
     mask, positions = left_padded()
@@ -281,17 +284,6 @@ def test_separate_queries_and_keys_retrieve_the_most_recent_keys_of_the_query_bu
     for b, r, i in [(0, 0, 0), (0, 1, 17), (1, 0, 39), (1, 1, 5)]:
         expected = [j for j in range(i - 1, -1, -1) if key_buckets[b, 0, r, j] == query_buckets[b, 0, r, i]][:4]
         assert found[b, 0, r, i].tolist() == expected + [-1] * (4 - len(expected))
-
-
-def test_a_window_wider_than_the_sequence_is_exact_softmax_with_separate_queries_and_keys():
-    covering = layer(window_size=32, num_sink_tokens=0, lsh_shared_qk=False)
-    full = build_attention("full", config(), 0, True).double().eval()
-    full.load_state_dict(covering.state_dict())
-    x = torch.randn(2, LENGTH, 32, dtype=torch.float64)
-    mask, positions = left_padded()
-    got = covering(x, attention_mask=mask, position_ids=positions)
-    torch.testing.assert_close(got[mask], full(x, attention_mask=mask, position_ids=positions)[mask], rtol=1e-10,
-                               atol=1e-12)
 
 
 def test_plain_lsh_refuses_separate_queries_and_keys_and_chunk_windows_need_shared_ones():

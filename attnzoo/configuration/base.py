@@ -83,6 +83,18 @@ def _near_square_factors(n: int) -> tuple[int, int]:
     return a, total // a
 
 
+def family_configs_with(field: str) -> list[str]:
+    """The names of the family configs (the `ZooConfig` classes with a `model_type` of their own) that have
+    `field`, among those imported."""
+    found, todo = set(), [ZooConfig]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "model_type" in vars(cls) and cls is not ZooConfig and field in cls.__dataclass_fields__:
+            found.add(cls.__name__)
+    return sorted(found)
+
+
 class ZooConfig(PreTrainedConfig):
     r"""
     Shared configuration of every attnzoo model. Standard transformers names are used where one exists. A keyword
@@ -332,6 +344,9 @@ class ZooConfig(PreTrainedConfig):
             elif target is not None:
                 raise ValueError(f"{key}={value!r}: {key} is another name for {target}, which "
                                  f"{type(self).__name__} does not have; use the family whose config has {target}.")
+            elif owners := family_configs_with(key):  # another family's setting, e.g. window_size in softmax
+                raise ValueError(f"{key}={value!r} is not a setting of {type(self).__name__}; it is one of "
+                                 f"{', '.join(owners)}: build the model with one of those.")
             else:
                 names = fields | {peer for peer, field in PEER_SPELLINGS.items() if field in fields}
                 close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)

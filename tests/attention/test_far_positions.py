@@ -182,3 +182,29 @@ def test_bad_far_position_settings_are_refused_naming_the_field(values, field, m
 def test_an_attention_without_a_far_part_refuses_to_drop_positions():
     with pytest.raises(ValueError, match=r"layer 0 \('favor'\) has no far part that can do without positions"):
         build_attention("favor", config(), 0, True)
+
+
+@pytest.mark.parametrize("window, sinks", [(4, 0), (1, 0), (1, 3)])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_decoding_without_sinks_or_with_a_one_token_window_equals_the_full_forward(name, window, sinks):
+    """A plain sliding window (no sinks) and the narrowest window decode like the full forward, positions rotary."""
+    kind, settings = WINDOWED[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_positions=["rotary"], window_size=window,
+                                                    num_sink_tokens=sinks, **settings)).double().eval()
+    ids = torch.randint(1, 37, (2, 16))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    full = model(ids, attention_mask=mask).logits
+    out = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
+    steps = [out.logits]
+    for t in range(5, 16):
+        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
+        steps.append(out.logits)
+    real = mask.bool()[..., None]
+    torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+
+
+def test_a_windowed_kind_in_an_encoder_says_to_set_is_decoder():
+    with pytest.raises(ValueError, match=r"'favor_window' is for causal \(decoder\) layers: set is_decoder=True"):
+        build_attention("favor_window", config(), 0, False)

@@ -183,8 +183,9 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
     def __init__(self, config, layer_idx: int, causal: bool):
         far_part_class = self.far_part_class
         if not causal:
-            raise ValueError(f"attention {self.name!r} is for causal (decoder) layers; use "
-                             f"{far_part_class.plain_kind or 'another attention'!r} or 'window' in encoders.")
+            raise ValueError(f"attention {self.name!r} is for causal (decoder) layers: set is_decoder=True for a "
+                             "decoder-only model, or list it in decoder_attn_layers of an encoder-decoder; in "
+                             f"encoders use {far_part_class.plain_kind or 'another attention'!r} or 'window'.")
         field = far_part_class.head_size_field
         super().__init__(config, layer_idx, causal, head_dim=getattr(config, field) if field else None)
         self.window_size = config.window_size
@@ -262,8 +263,8 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         state = layer.state
         position = state["count"]  # [B]: this token's position when real
         leaving = ring_leaving(state, real, self.window_size, self.sinks)
-        ring = ring_append(state, k, v, real, self.sinks, far_k)
-        keys, values, allowed = ring_visible(ring, position, self.window_size, self.sinks)
+        ring = ring_append(state, k, v, real, self.sinks, far_k)  # the tensors that change (no sinks: none of theirs)
+        keys, values, allowed = ring_visible({**state, **ring}, position, self.window_size, self.sinks)
         far = self.far.step(layer, q_far, k if far_k is None else far_k, v, real, position, leaving)
         layer.store(1, **ring)
         scores = (q @ self.far.near_keys(keys).transpose(-1, -2)) * self.far.scale

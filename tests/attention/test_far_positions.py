@@ -96,19 +96,25 @@ def test_cached_decoding_equals_the_full_forward(name, scale):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_query_scale=scale,
                                                     **settings)).double().eval()
-    ids = torch.randint(1, 37, (2, 26))
+    cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
+    assert "window_far_k" in cache.layers[0].state  # the window keeps the keys as the far part sees them, to hand over
+
+
+def assert_decoding_equals_the_full_forward(model, length: int, prefill: int, padding: int):
+    """Token-by-token logits after a prefill equal the full forward's on a batch whose second row is left-padded;
+    returns the cache."""
+    ids = torch.randint(1, 37, (2, length))
     mask = torch.ones_like(ids)
-    ids[1, :3], mask[1, :3] = 0, 0
+    ids[1, :padding], mask[1, :padding] = 0, 0
     full = model(ids, attention_mask=mask).logits
-    out = model(ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
     steps = [out.logits]
-    for t in range(7, 26):
+    for t in range(prefill, length):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
-    state = output_cache(out).layers[0].state
-    assert "window_far_k" in state  # the window keeps the keys as the far part sees them, to hand over
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+    return output_cache(out)
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -192,17 +198,7 @@ def test_decoding_without_sinks_or_with_a_one_token_window_equals_the_full_forwa
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_positions=["rotary"], window_size=window,
                                                     num_sink_tokens=sinks, **settings)).double().eval()
-    ids = torch.randint(1, 37, (2, 16))
-    mask = torch.ones_like(ids)
-    ids[1, :2], mask[1, :2] = 0, 0
-    full = model(ids, attention_mask=mask).logits
-    out = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
-    steps = [out.logits]
-    for t in range(5, 16):
-        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
-        steps.append(out.logits)
-    real = mask.bool()[..., None]
-    torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+    assert_decoding_equals_the_full_forward(model, length=16, prefill=5, padding=2)
 
 
 def test_a_windowed_kind_in_an_encoder_says_to_set_is_decoder():

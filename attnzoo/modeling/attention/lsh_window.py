@@ -273,9 +273,8 @@ class LSHFarPart(LSHBuckets, FarPart):
             hash_buckets(self.layer.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
         seen = state.get_seq_length()  # tokens so far (padding included): a host bound on every position
         buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
-        earlier = torch.arange(buckets.shape[-1], device=q.device) < position[:, None, None, None]
-        listed = torch.where((buckets == query_buckets) & earlier, torch.arange(buckets.shape[-1], device=q.device),
-                             -1)
+        slots = torch.arange(buckets.shape[-1], device=q.device)  # stored positions
+        listed = torch.where((buckets == query_buckets) & (slots < position[:, None, None, None]), slots, -1)
         candidates = listed.topk(min(self.recent_size, listed.shape[-1]), dim=-1).values  # most recent first
         stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
                                               key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of the speed and decoding goals (docs/benchmarks.md), in four stages of under 10 minutes each, in the
+# The GPU runs of the speed and decoding goals (docs/benchmarks.md), in five stages of under 10 minutes each, in the
 # order they matter: first whether the fused kernels and graph-captured decoding are right on a GPU, then how fast.
 #
 # What they need of the machine:
@@ -10,19 +10,23 @@
 #     .whl/ (`pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 #     --platform manylinux_2_17_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0`); without them the fla
 #     rows are left out and the rest runs.
-# Stages and their time on one H100/H200:
-#   checks    ~4 min: tests/ops (Triton = PyTorch reference, fp32/bf16/fp16, forward and backward) and
-#             tests/models/test_cuda.py (reversible RNG replay, LSH/local on CUDA, CUDA-graph decoding = eager)
-#   speed     ~9 min: kernels (Triton vs PyTorch, fla, SDPA, FlexAttention), the paper-size Reformer at 64K, eager
-#             decoding at batch 8 over 1K-64K contexts
-#   decode    ~9 min: graph-captured decoding (static caches, reduce-overhead)
-#   reformer  ~9 min: Reformer against transformers' (1K-64K), Performer, RA/LARA
+# Stages, in the order they matter, with what the first GPU session (2026-11-26, one H200) saw of them:
+#   checks    tests/ops (Triton = PyTorch reference, fp32/bf16/fp16, forward and backward) and
+#             tests/models/test_cuda.py (reversible RNG replay, LSH/local on CUDA, CUDA-graph decoding = eager); the
+#             tests took 54 s under pytest-xdist (-n 3, one file per worker; used when the image has it)
+#   speed     kernels (Triton vs PyTorch, fla, SDPA, FlexAttention; over 150 s with a cold Triton cache) and the
+#             paper-size Reformer at 64K (over 100 s)
+#   decode    eager decoding at batch 8 over 1K-64K contexts (1K and 16K took about 240 s)
+#   graphs    graph-captured decoding (static caches, reduce-overhead)
+#   reformer  Reformer against transformers' (1K-64K), Performer, RA/LARA
+# A session is lent 15 minutes of device time, the machine's start included: checks (about 90 s in all) and one more
+# stage fit in one call of at most 600 s (`bash benchmarks/gpu_session.sh checks; bash benchmarks/gpu_session.sh speed`).
 # Each step has its own time limit, so a slow one cannot take the stage's later steps with it. Each benchmark writes
 # its own JSON and plot under benchmarks/results/ (the device name inside); the stage packs what it wrote, with its log
 # and the tests' JUnit report, into $OUT/results_<stage>.tgz ($OUT: default /tmp/gpu_session_out). Commit the JSON and
 # PNG files from it; never transcribe a figure.
 set -uo pipefail
-stage=${1:?"name a stage: checks, speed, decode or reformer"}
+stage=${1:?"name a stage: checks, speed, decode, graphs or reformer"}
 OUT=${OUT:-/tmp/gpu_session_out}
 mkdir -p "$OUT"
 log="$OUT/log_$stage.txt"
@@ -48,16 +52,21 @@ transformers.__version__, 'triton', triton.__version__)"
 
 case "$stage" in
 checks)
-    step 330 python3 -m pytest -q -p no:cacheprovider -rs tests/ops tests/models/test_cuda.py \
+    workers=""
+    python3 -c "import xdist" 2>/dev/null && workers="-n 3 --dist loadfile"
+    # shellcheck disable=SC2086  # $workers is empty or three words
+    step 240 python3 -m pytest -q -p no:cacheprovider -rs $workers tests/ops tests/models/test_cuda.py \
         --junitxml="$OUT/junit_checks.xml"
     ;;
 speed)
-    step 150 python3 benchmarks/kernels_gpu.py --quick
-    step 150 python3 benchmarks/paper_size_reformer.py --device cuda --repeats 2
-    step 220 python3 benchmarks/decoding_speed.py --device cuda --batch_sizes 8 --contexts 1024 16384 65536 \
-        --families softmax performer reformer lara --worker_timeout 60
+    step 270 python3 benchmarks/kernels_gpu.py --quick
+    step 230 python3 benchmarks/paper_size_reformer.py --device cuda --repeats 2
     ;;
 decode)
+    step 500 python3 benchmarks/decoding_speed.py --device cuda --batch_sizes 8 --contexts 1024 16384 65536 \
+        --families softmax performer reformer lara --worker_timeout 90
+    ;;
+graphs)
     step 520 python3 benchmarks/decoding_speed.py --device cuda --compiled_static --batch_sizes 1 8 \
         --contexts 1024 16384 65536 --families softmax performer reformer lara ra --worker_timeout 90
     ;;
@@ -68,7 +77,7 @@ reformer)
     step 120 python3 benchmarks/randomized_efficiency.py --device cuda
     ;;
 *)
-    echo "unknown stage $stage: use checks, speed, decode or reformer" | tee -a "$log"
+    echo "unknown stage $stage: use checks, speed, decode, graphs or reformer" | tee -a "$log"
     exit 2
     ;;
 esac

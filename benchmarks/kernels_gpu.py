@@ -193,7 +193,7 @@ def captured_window_call(kind: str, length: int):
     layer = layer_cls(config, 0, causal=True).to(DEVICE, torch.bfloat16).eval()
     seen = []
 
-    def capture(q, k, v, mask, scale=1.0, dropout_p=0.0, save_probs=False):
+    def capture(q, k, v, mask, scale=1.0, dropout_p=0.0, save_probs=False, backend="auto"):  # chunked_attention's
         seen.append((q.detach(), k.detach(), v.detach(), mask, scale))
         raise _Captured
 
@@ -315,6 +315,8 @@ def main(argv=None):
     if "windowed" in args.ops:
         suites += [("windowed attention, local masks", lambda n: windowed_steps("local", n)),
                    ("windowed attention, LSH masks", lambda n: windowed_steps("lsh", n))]
+    output = args.output or RESULTS / f"kernels_gpu_{device_tag(device)}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
     for name, build in suites:
         by_length = results["benchmarks"].setdefault(name, {})
         for length in args.lengths:
@@ -327,9 +329,10 @@ def main(argv=None):
             torch.cuda.empty_cache()
             add_ratios(rows)
             by_length[str(length)] = rows
-    output = args.output or RESULTS / f"kernels_gpu_{device_tag(device)}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(results, indent=1))
+            # Rewritten after every length: a run stopped at its time limit keeps what it measured (the first GPU
+            # session's quick run lost everything to its limit).
+            output.write_text(json.dumps({**results, "complete": False}, indent=1))
+    output.write_text(json.dumps({**results, "complete": True}, indent=1))
     plot(results, output.with_suffix(".png"))
     print("\n".join(summary_lines(results)))
     print(f"wrote {output} and {output.with_suffix('.png')}")

@@ -36,18 +36,27 @@ def triton_can_run(x: torch.Tensor) -> bool:
     return triton_importable() and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
 
 
-def resolve_backend(backend: str, x: torch.Tensor, op: str) -> str:
-    """"auto" -> "triton" on CUDA when Triton is importable, else "torch"; an explicit "triton" that cannot run on
-    `x` raises a ValueError saying why."""
+def resolve_backend(backend: str, x: torch.Tensor, op: str, unsupported: str | None = None) -> str:
+    """"auto" -> "triton" on CUDA when Triton is importable and its kernels take the inputs, else "torch"; an
+    explicit "triton" that cannot run on `x`, or cannot take the inputs, raises a ValueError saying why.
+
+    `unsupported`: why the op's kernels cannot take these inputs (a size they have no tiles for), or None. float64
+    inputs are never taken: the kernels accumulate in float32, and a float64 caller asks for float64 results (the
+    first GPU run found the chunk kernel failing to compile on them, reached through "auto")."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}.")
+    if unsupported is None and x.dtype == torch.float64:
+        unsupported = "the kernels compute in float32 or half precision, and the inputs are float64"
     if backend == "auto":
-        return "triton" if x.is_cuda and triton_importable() else "torch"
+        return "triton" if x.is_cuda and triton_importable() and unsupported is None else "torch"
     if backend == "triton" and not triton_can_run(x):
         reason = ("Triton is not installed (pip install triton)" if not triton_importable() else
                   f"the inputs are on {x.device} and Triton runs on CUDA, or on the CPU only under its interpreter "
                   "(set TRITON_INTERPRET=1 before anything imports triton)")
         raise ValueError(f"{op}: backend='triton' cannot run here: {reason}; use backend='torch' or 'auto'.")
+    if backend == "triton" and unsupported is not None:
+        raise ValueError(f"{op}: backend='triton' cannot take these inputs: {unsupported}; use backend='torch' or "
+                         "'auto' (which picks the PyTorch path for them).")
     return backend
 
 

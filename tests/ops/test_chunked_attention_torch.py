@@ -67,3 +67,38 @@ def test_window_mask_drops_keys_an_earlier_round_listed():
     torch.testing.assert_close(mask.disallowed(), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="whole groups"):
         ChunkMask(positions[:5], valid[:5], before, after, round_locations=locations[:5], round_band=band).disallowed()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_float32_probabilities_with_bfloat16_inputs_give_bfloat16_gradients(dropout_p, monkeypatch):
+    """CUDA autocast runs the forward's softmax in float32 and the matmuls in bfloat16, so the backward meets float32
+    probabilities beside bfloat16 values and output gradients (the first GPU run failed there). The softmax is made
+    float32 here the same way, on the CPU; the gradients must come back in the inputs' dtype and equal those of the
+    float32 probabilities applied in float64 to the same bfloat16 inputs."""
+    from attnzoo.ops.chunked_attention import torch_chunks
+
+    bf16_softmax = torch_chunks._softmax_
+
+    def float32_softmax(scores):
+        probs, lse = bf16_softmax(scores.float())
+        return probs, lse
+
+    torch.manual_seed(2)
+    n, chunks, m, d = 2, 3, 4, 8
+    q, k, v = (torch.randn(n, chunks, m, d).bfloat16().requires_grad_() for _ in range(3))
+    positions = torch.arange(chunks * m).view(1, chunks, m).expand(n, -1, -1)
+    mask = ChunkMask(positions, torch.ones(n, chunks, m, dtype=torch.bool), before=1, after=0, causal=True)
+    expected = torch.autograd.grad(_summed(chunked_attention(q, k, v, mask, 0.5, 0.0)[0]), (q, k, v))
+    monkeypatch.setattr(torch_chunks, "_softmax_", float32_softmax)
+    torch.manual_seed(3)
+    out, _ = chunked_attention(q, k, v, mask, 0.5, dropout_p)
+    grads = torch.autograd.grad(_summed(out), (q, k, v))
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    if dropout_p == 0.0:  # the same math as the all-bfloat16 run, up to bfloat16 rounding of the probabilities
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+def _summed(out: torch.Tensor) -> torch.Tensor:
+    weights = torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)
+    return (out * weights).sum()

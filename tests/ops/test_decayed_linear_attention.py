@@ -194,6 +194,27 @@ def test_bad_inputs_say_what_to_change(monkeypatch):
             decayed_linear_attention(q.float(), k.float(), v.float(), m.float(), backend="triton")
 
 
+@needs_triton
+def test_inputs_the_kernels_cannot_take_go_to_pytorch_under_auto_and_raise_under_triton():
+    """The first GPU run reached the kernels through "auto" with float64 inputs and with a chunk size they have no
+    tiles for; "auto" now picks the PyTorch path for those, and an explicit "triton" says what to change."""
+    from types import SimpleNamespace
+
+    from attnzoo.ops.triton_utils import resolve_backend
+
+    q, k, v, m = features(1, 2, 10, 4, 3)
+    with pytest.raises(ValueError, match=r"chunk_size=4 \(the Triton kernels take one of"):
+        decayed_linear_attention(*(x.float().to(DEVICE) for x in (q, k, v, m)), chunk_size=4, backend="triton")
+    with pytest.raises(ValueError, match="inputs are float64"):
+        decayed_linear_attention(*(x.to(DEVICE) for x in (q, k, v, m)), chunk_size=16, backend="triton")
+    on_cuda = SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert resolve_backend("auto", on_cuda, "op") == "triton"
+    assert resolve_backend("auto", on_cuda, "op", "chunk_size=4") == "torch"
+    assert resolve_backend("auto", SimpleNamespace(is_cuda=True, dtype=torch.float64), "op") == "torch"
+    got = decayed_linear_attention(*(x.to(DEVICE) for x in (q, k, v, m)), chunk_size=4)
+    torch.testing.assert_close(got.cpu(), reference(q, k, v, m), rtol=1e-10, atol=1e-12)
+
+
 # -- the Triton kernels ----------------------------------------------------------------------------------------
 def triton_case(length, r, e, chunk_size, jumps, seed=0, dtype=torch.float32):
     q, k, v, m = features(1, 2, length, r, e, jumps=jumps, seed=seed, dtype=torch.float32)

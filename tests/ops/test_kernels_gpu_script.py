@@ -40,3 +40,13 @@ def test_ratio_summary_and_plot_code_paths(script, tmp_path):
     assert any("out of memory" in line for line in lines) and any("triton" in line for line in lines)
     script.plot(made_up, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["local", "lsh"])
+def test_the_windowed_cases_capture_the_layers_call(script, monkeypatch, kind):
+    """The windowed rows time the op on the inputs a real layer gives it, caught at the call (the first GPU run
+    found the catcher missing an argument the LSH layer passes)."""
+    monkeypatch.setattr(script, "DEVICE", "cpu")
+    q, k, v, mask, scale = script.captured_window_call(kind, 4 * script.CHUNK)
+    assert q.dim() == 4 and k.shape == q.shape == v.shape and q.shape[-1] == script.HEAD_DIM
+    assert tuple(mask.positions.shape) == tuple(q.shape[:3]) and scale > 0

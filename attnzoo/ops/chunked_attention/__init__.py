@@ -39,10 +39,10 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: C
                        dropout_p: float = 0.0, save_probs: bool = False, backend: str = "auto"):
     """Chunked attention over each chunk's window -> (out [N, C, m, d], lse [N, C, m]), both in q's dtype.
 
-    backend: "auto" (Triton on CUDA when importable, else PyTorch), "torch", "triton" (CUDA, or the CPU under
-    TRITON_INTERPRET=1) or "flex" (FlexAttention; forward only on the CPU). The fused backends have no dropout:
-    with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask itself. `save_probs`
-    (PyTorch path) keeps the probabilities for the backward instead of recomputing them.
+    backend: "auto" (Triton on CUDA when importable and the inputs are not float64, else PyTorch), "torch",
+    "triton" (CUDA, or the CPU under TRITON_INTERPRET=1) or "flex" (FlexAttention; forward only on the CPU). The fused
+    backends have no dropout: with dropout_p > 0 every backend runs the PyTorch path, which samples the dropout mask
+    itself. `save_probs` (PyTorch path) keeps the probabilities for the backward instead of recomputing them.
     """
     if backend not in CHUNK_BACKENDS:
         raise ValueError(f"backend={backend!r}: use one of {CHUNK_BACKENDS}.")

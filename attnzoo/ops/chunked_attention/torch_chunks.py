@@ -242,9 +242,9 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         keep = None
         if dropout_p > 0.0:
             keep = torch.rand_like(probs) >= dropout_p
-            out = torch.bmm((probs * keep).div_(1.0 - dropout_p).view_as(probs_flat), v_windows)
-        else:
-            out = torch.bmm(probs_flat, v_windows)
+            out = torch.bmm((probs * keep).div_(1.0 - dropout_p).view_as(probs_flat).to(v.dtype), v_windows)
+        else:  # (probabilities in float32 beside half-precision values: CUDA autocast's softmax; see `_fold`)
+            out = torch.bmm(probs_flat.to(v.dtype), v_windows)
         out = out.view(shape)
         ctx.mask, ctx.scale, ctx.dropout_p = mask, scale, dropout_p
         ctx.save_for_backward(q, k_padded, v_padded, out, lse, keep, probs if save_probs else None)
@@ -284,14 +284,19 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         if scale != 1.0:
             grad_scores.mul_(scale)
         grad_scores_flat = grad_scores.view(num_chunks, m, -1)
-        grad_q = torch.bmm(grad_scores_flat, k_windows).view(shape)
+        grad_q = torch.bmm(grad_scores_flat.to(q.dtype), k_windows.to(q.dtype)).view(shape)
         grad_k = _fold(grad_scores_flat, q_flat, k_padded, before, m)
         return grad_q, grad_k.view(shape), grad_v.view(shape), None, None, None, None
 
 
 def _fold(weights: torch.Tensor, x: torch.Tensor, padded_like: torch.Tensor, before: int, m: int) -> torch.Tensor:
     """Gradient of `_padded_flat` rows seen through the windows: for every window block b, weights[:, :, b]^T @ x
-    added to the chunk that block came from; returns the [N * C, m, d] real rows."""
+    added to the chunk that block came from; returns the [N * C, m, d] real rows, in padded_like's dtype.
+
+    Under CUDA autocast the forward's softmax runs in float32 while the matmuls give bfloat16/float16, so the
+    probabilities and the output's gradient can differ in dtype (the first GPU run found this): both are taken in
+    the dtype of the input whose gradient this is."""
+    weights, x = weights.to(padded_like.dtype), x.to(padded_like.dtype)
     num_chunks = x.shape[0]
     blocks = weights.shape[-1] // m
     # Only the real rows are kept: block b of chunk c lands in row c + b - before. Block 0 writes its rows (no

@@ -65,21 +65,19 @@ def decayed_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.
             factor <= 1 (the result is exact either way).
         return_state: also return the state (S, z, M) after the last position.
         backend: "torch" (chunked PyTorch), "triton" (fused kernels: CUDA, or the CPU under TRITON_INTERPRET=1) or
-            "auto" (Triton on CUDA when importable, else PyTorch).
+            "auto" (Triton on CUDA when importable and the kernels take the inputs: a chunk size they have and no
+            float64; else PyTorch).
 
     Returns out [B, H, N, e] in float32 (float64 when an input is float64, torch backend; the Triton backend always
     accumulates and returns float32), plus (S, z, M) with `return_state`. A row whose weights are all 0 (it sees no
     key) outputs 0; its gradients are those of num / den.clamp_min(tiny), as in `random_features._ratio`.
     """
     _check_inputs(phi_q, phi_k, v, running_max, chunk_size, initial_state)
-    if resolve_backend(backend, phi_q, "decayed_linear_attention") == "torch":
+    odd_chunks = (None if chunk_size in TRITON_CHUNK_SIZES else
+                  f"chunk_size={chunk_size} (the Triton kernels take one of {TRITON_CHUNK_SIZES})")
+    if resolve_backend(backend, phi_q, "decayed_linear_attention", odd_chunks) == "torch":
         return chunked_decayed_linear_attention(phi_q, phi_k, v, running_max, chunk_size, initial_state,
                                                 return_state)
-    if chunk_size not in TRITON_CHUNK_SIZES:
-        raise ValueError(f"chunk_size={chunk_size}: the Triton backend takes one of {TRITON_CHUNK_SIZES}.")
-    if phi_q.dtype == torch.float64:
-        raise ValueError("the Triton backend computes in float32 (or half precision): pass float32/bf16/fp16 "
-                         "inputs, or use backend='torch' for float64.")
     from attnzoo.ops.decayed_linear_attention.triton_chunk import TritonDecayedLinearAttention
 
     s0, z0, m0 = initial_state if initial_state is not None else (None, None, None)

@@ -275,6 +275,16 @@ def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window
     check_against_the_dense_reference(attn)
 
 
+@pytest.mark.parametrize("slots", [1, 700])  # one query per block; blocks that do not divide the length
+def test_separate_queries_and_keys_in_query_blocks_equal_the_dense_reference(slots, monkeypatch):
+    """Long prompts gather the candidates of a block of queries at a time (a memory bound); any block size gives the
+    values and gradients of the reference."""
+    import attnzoo.modeling.attention.lsh_window as lsh_window
+
+    monkeypatch.setattr(lsh_window, "FAR_BLOCK_SLOTS", slots)
+    check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False))
+
+
 def test_separate_queries_and_keys_retrieve_the_most_recent_keys_of_the_query_bucket():
     """The candidates of a query are, per round, the `keep` latest earlier keys whose bucket is the query's."""
     generator = torch.Generator().manual_seed(0)

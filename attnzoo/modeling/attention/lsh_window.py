@@ -51,6 +51,9 @@ from attnzoo.modeling.attention.windowed import FarPart, normalised_far, registe
 from attnzoo.modeling.cache import write_at_rows
 from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
+#: (query, candidate) pairs whose keys and values separate-QK LSH gathers at once (about 0.5 GB at head width 64)
+FAR_BLOCK_SLOTS = 1 << 20
+
 
 @dataclass
 class FarKeyMask(ChunkMask):
@@ -224,13 +227,26 @@ class LSHFarPart(LSHBuckets, FarPart):
     def _far_of_candidates(self, q, k, v, candidates):
         """The far triple of left-aligned queries q [B, H, L, d] over their candidates [B, H, R, L, K] (positions of
         keys k, v [B, kv_heads, L, d]; -1: none): the candidates beyond the window, one softmax, a key listed in
-        several rounds counted once with the duplicate correction."""
+        several rounds counted once with the duplicate correction.
+
+        Each query gathers its own R * K keys and values, so the queries go in blocks of at most
+        `FAR_BLOCK_SLOTS` (query, candidate) pairs: one block at training lengths, a few at long prompts, where
+        gathering every query's candidates at once took 22 GB at 4,096 tokens (found evaluating a small model)."""
         batch, heads, rounds, length, keep = candidates.shape
         index = candidates.permute(0, 1, 3, 2, 4).reshape(batch, heads, length, rounds * keep)
-        position = torch.arange(length, device=q.device)[None, None, :, None]
-        return self._far_softmax(q, index, position, gather_grouped(k, index.clamp(min=0).flatten(2)).view(
-            batch, heads, length, rounds * keep, -1), gather_grouped(v, index.clamp(min=0).flatten(2)).view(
-            batch, heads, length, rounds * keep, -1))
+        block = max(1, FAR_BLOCK_SLOTS // (batch * heads * rounds * keep))
+        parts = [self._far_of_block(q[:, :, start:start + block], k, v, index[:, :, start:start + block], start)
+                 for start in range(0, length, block)]  # a memory bound: one block unless the prompt is long
+        return parts[0] if len(parts) == 1 else tuple(torch.cat(part, dim=2) for part in zip(*parts, strict=True))
+
+    def _far_of_block(self, q, k, v, index, start: int):
+        """`_far_of_candidates` for the queries at positions start, start + 1, ... (q [B, H, T, d], their candidates
+        index [B, H, T, n])."""
+        batch, heads, count, slots = index.shape
+        position = torch.arange(start, start + count, device=q.device)[None, None, :, None]
+        safe = index.clamp(min=0).flatten(2)
+        return self._far_softmax(q, index, position, gather_grouped(k, safe).view(batch, heads, count, slots, -1),
+                                 gather_grouped(v, safe).view(batch, heads, count, slots, -1))
 
     def _far_softmax(self, q, index, position, keys, values):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at

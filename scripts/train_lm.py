@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,6 +41,7 @@ from attnzoo.training.image_data import (
     load_image_sources,
     pixel_sequence_length,
 )
+from attnzoo.training.lm_loss import answer_weighted_lm_loss
 from attnzoo.training.loop import (
     RunningMean,
     build_accelerator,
@@ -71,8 +73,9 @@ from attnzoo.training.recipes import parse_with_recipe
 from attnzoo.training.text_data import (
     ENWIK8_HELDOUT_BYTES,
     PASSKEY_FRACTION_HELP,
+    PASSKEY_MIN_DISTANCE_HELP,
     TokenBlocks,
-    check_passkey_fraction,
+    check_passkey_options,
     count_passkey_blocks,
     find_enwik8,
     load_text_splits,
@@ -107,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="start a training block every N tokens (0: block_size, no overlap)")
     data.add_argument("--passkey_fraction", type=float, default=0.0,
                       help=f"text and enwik8: {PASSKEY_FRACTION_HELP}")
+    data.add_argument("--passkey_min_distance", type=int, default=0, help=PASSKEY_MIN_DISTANCE_HELP)
+    data.add_argument("--passkey_answer_weight", type=float, default=1.0,
+                      help="the passkey answer tokens' weight in the loss (a weighted mean over tokens; 1: as any "
+                           "other token). The answer is ~6 tokens of a block, so retrieval gets ~1%% of the "
+                           "gradient unweighted; 20-50 makes small models learn it (docs/long_context.md)")
     data.add_argument("--train_dir", default=None, help="imagenet64: folder of training images")
     data.add_argument("--validation_dir", default=None, help="imagenet64: folder of held-out images")
     data.add_argument("--image_size", type=int, default=64, help="imagenet64: image side (64 -> 12,288 tokens)")
@@ -129,7 +137,8 @@ def check_arguments(args) -> None:
                          "is a loading script that datasets >= 4 refuses. Drop --dataset_name.")
     if args.train_stride < 0:
         raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
-    check_passkey_fraction(args.passkey_fraction)
+    check_passkey_options(args.passkey_fraction, args.passkey_min_distance, args.block_size,
+                          args.passkey_answer_weight)
     if args.passkey_fraction and args.corpus == "imagenet64":
         raise ValueError("--passkey_fraction mixes passkey text into text corpora; drop it with --corpus imagenet64.")
     check_lora_arguments(args)
@@ -154,12 +163,12 @@ def load_datasets(args, tokenizer, byte_level: bool):
     if args.corpus == "enwik8":
         splits = split_enwik8(read_enwik8(find_enwik8(args.data_dir, args.train_file)), args.heldout_bytes)
         return (with_passkey_blocks(TokenBlocks(splits["train"], args.block_size, stride), args.passkey_fraction,
-                                    tokenizer, args.block_size, args.seed),
+                                    tokenizer, args.block_size, args.seed, args.passkey_min_distance),
                 TokenBlocks(splits["validation"], args.block_size),
                 TokenBlocks(splits["test"], args.block_size), args.block_size)
     train_tokens, heldout_tokens = load_text_splits(args, tokenizer, byte_level)
     train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, stride), args.passkey_fraction,
-                                    tokenizer, args.block_size, args.seed)
+                                    tokenizer, args.block_size, args.seed, args.passkey_min_distance)
     return train_set, TokenBlocks(heldout_tokens, args.block_size), None, args.block_size
 
 
@@ -235,8 +244,7 @@ def train(accelerator, args, run, heldout_loader) -> tuple[int, tuple[int, float
     last_eval = None
     for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
         loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
-                             lambda b=batch: model(input_ids=b["input_ids"],
-                                                   labels=b.get("labels", b["input_ids"])).loss, run.guard)
+                             lambda b=batch: batch_loss(model, b, args.passkey_answer_weight), run.guard)
         train_loss.add(loss)
         if not accelerator.sync_gradients:
             continue
@@ -254,6 +262,15 @@ def train(accelerator, args, run, heldout_loader) -> tuple[int, tuple[int, float
             break
     progress.close()
     return step, last_eval, round(time.time() - started, 1)
+
+
+def batch_loss(model, batch: dict, answer_weight: float) -> torch.Tensor:
+    """The model's own next-token loss, or with passkey answers weighted (`--passkey_answer_weight`) the weighted one
+    from its logits."""
+    if answer_weight == 1.0 or "answer_mask" not in batch:
+        return model(input_ids=batch["input_ids"], labels=batch.get("labels", batch["input_ids"])).loss
+    logits = model(input_ids=batch["input_ids"]).logits
+    return answer_weighted_lm_loss(logits, batch["input_ids"], batch["answer_mask"], answer_weight)
 
 
 def final_results(accelerator, args, run, data: LMData, heldout_loader, step: int, last_eval,

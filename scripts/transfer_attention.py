@@ -56,8 +56,9 @@ from attnzoo.training.recipes import parse_with_recipe
 from attnzoo.training.run_dir import record_outputs
 from attnzoo.training.text_data import (
     PASSKEY_FRACTION_HELP,
+    PASSKEY_MIN_DISTANCE_HELP,
     TokenBlocks,
-    check_passkey_fraction,
+    check_passkey_options,
     count_passkey_blocks,
     load_text_splits,
     with_passkey_blocks,
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--train_stride", type=int, default=0,
                       help="start a training block every N tokens (0: block_size, no overlap)")
     data.add_argument("--passkey_fraction", type=float, default=0.0, help=PASSKEY_FRACTION_HELP)
+    data.add_argument("--passkey_min_distance", type=int, default=0, help=PASSKEY_MIN_DISTANCE_HELP)
     add_training_arguments(parser, per_device_train_batch_size=8, per_device_eval_batch_size=8, learning_rate=1e-2,
                            weight_decay=0.0, num_warmup_steps=0, max_train_steps=200, output_dir="runs/transfer")
     return parser
@@ -118,7 +120,8 @@ def check_arguments(args) -> None:
                          "which a whole-graph compile cannot trace; drop the flag.")
     if args.train_stride < 0:
         raise ValueError(f"--train_stride={args.train_stride} is invalid: set 0 (= block_size) or a positive stride.")
-    check_passkey_fraction(args.passkey_fraction)
+    # (no answer weight here: the transfer loss matches attention outputs at every position, not next tokens)
+    check_passkey_options(args.passkey_fraction, args.passkey_min_distance, args.block_size)
     check_model_source(args.teacher, "--teacher")
     check_model_source(args.student, "--student")
 
@@ -266,7 +269,8 @@ def build_data(args, accelerator):
     with accelerator.main_process_first():  # `datasets` caches are built once
         train_tokens, heldout_tokens = load_text_splits(args, tokenizer, is_byte_level(tokenizer))
     train_set = with_passkey_blocks(TokenBlocks(train_tokens, args.block_size, args.train_stride or args.block_size),
-                                    args.passkey_fraction, tokenizer, args.block_size, args.seed)
+                                    args.passkey_fraction, tokenizer, args.block_size, args.seed,
+                                    args.passkey_min_distance)
     return tokenizer, train_set, TokenBlocks(heldout_tokens, args.block_size)
 
 

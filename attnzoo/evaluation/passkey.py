@@ -435,44 +435,79 @@ def passkey_accuracy(model, tokenizer, lengths: Sequence[int], depths: Sequence[
 # -- training data --------------------------------------------------------------------------------------------------
 def passkey_training_blocks(tokenizer, block_size: int, count: int, seed: int = 0, *, digits: int = 5,
                             filler: str = "repeat", filler_text: str = DEFAULT_FILLER, task_description: bool = True,
-                            depths: Sequence[float] | None = None, with_answer_mask: bool = False):
+                            depths: Sequence[float] | None = None, with_answer_mask: bool = False,
+                            min_distance: int = 0):
     """`count` passkey sequences of exactly `block_size` tokens, each a prompt followed by its answer (" 12345"), so
     the answer tokens are the block's last ones and next-token training on the block teaches retrieval. To mix
     retrieval into a language-model data set at a fraction f, add f / (1 - f) blocks of these per text block.
 
     Block i draws its depth (uniform in [0, 1], or from `depths`), key and corpus filler from
-    `random.Random(seed)`; the same arguments give the same blocks. Returns a LongTensor [count, block_size], and
-    with `with_answer_mask` also a bool tensor of the same shape that is True on the answer tokens (to weight or
-    restrict the loss)."""
+    `random.Random(seed)`; the same arguments give the same blocks. With `min_distance`, depths are drawn so that the
+    key line starts more than that many tokens before the answer (see `passkey_training_block`). Returns a
+    LongTensor [count, block_size], and with `with_answer_mask` also a bool tensor of the same shape that is True on
+    the answer tokens (to weight or restrict the loss)."""
     if not isinstance(count, int) or count < 0:
         raise ValueError(f"count={count!r}; pass the number of blocks, an integer >= 0.")
+    rng = random.Random(seed)
+    blocks = torch.empty((count, block_size if isinstance(block_size, int) else 0), dtype=torch.long)
+    answer_mask = torch.zeros(blocks.shape, dtype=torch.bool)
+    for i in range(count):
+        blocks[i], answer_mask[i] = passkey_training_block(
+            tokenizer, block_size, rng, digits=digits, filler=filler, filler_text=filler_text,
+            task_description=task_description, depths=depths, min_distance=min_distance)
+    if count == 0:  # the arguments are still checked
+        passkey_training_block(tokenizer, block_size, random.Random(seed), digits=digits, filler=filler,
+                               filler_text=filler_text, task_description=task_description, depths=depths,
+                               min_distance=min_distance)
+    return (blocks, answer_mask) if with_answer_mask else blocks
+
+
+def passkey_training_block(tokenizer, block_size: int, rng: random.Random, *, digits: int = 5,
+                           filler: str = "repeat", filler_text: str = DEFAULT_FILLER, task_description: bool = True,
+                           depths: Sequence[float] | None = None, min_distance: int = 0):
+    """One training sequence of `block_size` tokens (prompt + answer) drawn from `rng` -> (LongTensor [block_size],
+    bool answer mask [block_size]).
+
+    `min_distance`: the key line starts more than this many tokens before the first answer token, so that a model
+    whose exact window holds `min_distance` tokens must fetch the key through its far part. The depth is drawn
+    uniformly over the depths that allow it, which spreads the distances evenly over (min_distance, the longest the
+    block allows]."""
     if depths is not None:
         depths = [_check_depth(d, "depths") for d in depths]
         if not depths:
             raise ValueError("depths is empty; pass depths in [0, 1], or None for uniform random depths.")
+        if min_distance:
+            raise ValueError("depths and min_distance both place the key; pass one of them.")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r}; pass the block length in tokens, a positive integer.")
     if not isinstance(digits, int) or digits < 1:
         raise ValueError(f"digits={digits!r}; pass the number of digits of the pass key, at least 1.")
+    if not isinstance(min_distance, int) or min_distance < 0:
+        raise ValueError(f"min_distance={min_distance!r}; pass a number of tokens >= 0 (0: any distance).")
     _check_filler(filler)
-    rng = random.Random(seed)
-    blocks = torch.empty((count, block_size), dtype=torch.long)
-    answer_mask = torch.zeros((count, block_size), dtype=torch.bool)
-    for i in range(count):
-        depth = rng.random() if depths is None else rng.choice(depths)
-        key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-        answer = _answer_ids(tokenizer, key)
-        try:
-            prompt = passkey_prompt(tokenizer, block_size - len(answer), depth, random.Random(rng.getrandbits(64)),
-                                    digits=digits, passkey=key, filler=filler, filler_text=filler_text,
-                                    task_description=task_description)
-        except ValueError as error:
-            if "too short" not in str(error):
-                raise
-            need = sum(map(len, _pieces(tokenizer, key, task_description))) + len(answer)
-            raise ValueError(f"block_size={block_size} cannot hold a pass key prompt and its answer: the minimum is "
-                             f"{need} tokens of this tokenizer (task_description=False makes it shorter); pass a "
-                             "larger block_size.") from error
-        blocks[i] = torch.tensor(prompt.input_ids + prompt.answer_ids, dtype=torch.long)
-        answer_mask[i, block_size - len(prompt.answer_ids):] = True
-    return (blocks, answer_mask) if with_answer_mask else blocks
+    key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+    answer = _answer_ids(tokenizer, key)
+    length = block_size - len(answer)
+    head, needle, question = _pieces(tokenizer, key, task_description)
+    filler_count = length - len(head) - len(needle) - len(question)
+    if filler_count < 0:
+        need = len(head) + len(needle) + len(question) + len(answer)
+        raise ValueError(f"block_size={block_size} cannot hold a pass key prompt and its answer: the minimum is "
+                         f"{need} tokens of this tokenizer (task_description=False makes it shorter); pass a larger "
+                         "block_size.")
+    if depths is not None:
+        depth = rng.choice(depths)
+    else:
+        # the key line starts at len(head) + before; the answer at `length`: before < length - min_distance - head
+        latest = min(filler_count, length - min_distance - len(head) - 1)
+        if latest < 0:
+            raise ValueError(f"min_distance={min_distance} leaves no room for the key in a block of {block_size} "
+                             f"tokens: the farthest the key line can start from the answer is "
+                             f"{length - len(head)} tokens; pass a smaller min_distance or a larger block_size.")
+        depth = rng.randint(0, latest) / filler_count if filler_count else 0.0
+    prompt = passkey_prompt(tokenizer, length, depth, random.Random(rng.getrandbits(64)), digits=digits,
+                            passkey=key, filler=filler, filler_text=filler_text, task_description=task_description)
+    ids = torch.tensor(prompt.input_ids + prompt.answer_ids, dtype=torch.long)
+    mask = torch.zeros(block_size, dtype=torch.bool)
+    mask[block_size - len(prompt.answer_ids):] = True
+    return ids, mask

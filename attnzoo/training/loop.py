@@ -206,8 +206,9 @@ def _rng_restore_watched():
 def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int) -> Iterator:
     """Training micro-batches forever (epoch after epoch), starting right after optimizer step `start_step`.
 
-    The epoch's shuffle is the seedable sampler's for that epoch, and the micro-batches of the steps already done are
-    skipped without being loaded, so a resumed run sees exactly the batches an uninterrupted one would.
+    The epoch's shuffle is the seedable sampler's for that epoch (and a data set with `set_epoch` is told the epoch
+    too), and the micro-batches of the steps already done are skipped without being loaded, so a resumed run sees
+    exactly the batches an uninterrupted one would.
     """
     per_epoch = optimizer_steps_per_epoch(len(loader), accelerator.gradient_accumulation_steps)
     if per_epoch == 0:
@@ -216,6 +217,8 @@ def train_batches(accelerator: Accelerator, loader: DataLoader, start_step: int)
     epoch, done = divmod(start_step, per_epoch)
     while True:
         loader.set_epoch(epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # data drawn afresh each epoch (text_data.PasskeyDraws)
+            loader.dataset.set_epoch(epoch)
         if done:
             yield from accelerator.skip_first_batches(loader, done * accelerator.gradient_accumulation_steps)
         else:

@@ -4,6 +4,7 @@ tokenised and concatenated; cut into fixed-length blocks (optionally overlapping
 
 from __future__ import annotations
 
+import random
 import zipfile
 from pathlib import Path
 
@@ -15,7 +16,10 @@ from attnzoo.training.data_checks import checked_json_files, missing_file_reason
 
 PASSKEY_FRACTION_HELP = ("this fraction of the training sequences are passkey retrieval sequences (a key hidden in "
                          "filler text, then asked for; attnzoo.evaluation.passkey), generated from --seed: data "
-                         "that contains the retrieval skill (0: text only)")
+                         "that contains the retrieval skill (0: text only); each epoch draws new ones")
+PASSKEY_MIN_DISTANCE_HELP = ("passkey sequences put the key more than this many tokens before the answer "
+                             "(0: anywhere), spread evenly beyond it: set the exact window's width so that retrieval "
+                             "must go through the far part")
 
 ENWIK8_HELDOUT_BYTES = 5_000_000  # valid and test are the last 2 x 5M bytes: the 90M/5M/5M split (awd-lstm, t2t)
 
@@ -110,17 +114,50 @@ class TokenBlocks(Dataset):
 ByteBlocks = TokenBlocks  # the name the first version of train_lm.py used
 
 
-class PasskeyBlocks(Dataset):
-    """Passkey retrieval sequences as training examples (`input_ids`, like `TokenBlocks`')."""
+class PasskeyDraws(Dataset):
+    """`count` passkey retrieval sequences of `block_size` tokens (`input_ids`, and `answer_mask`: True on the answer
+    tokens), drawn afresh for every epoch: item i of epoch e is drawn from a generator seeded by (seed, e, i), so a
+    model never sees the same key twice in one place (it cannot memorise keys), and a resumed or multi-process run
+    draws exactly what an uninterrupted one does. The training loop calls `set_epoch` (`loop.train_batches`).
+    `min_distance`: see `attnzoo.evaluation.passkey.passkey_training_block`."""
 
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
+    def __init__(self, tokenizer, block_size: int, count: int, seed: int, min_distance: int = 0):
+        from attnzoo.evaluation.passkey import passkey_training_block  # evaluation code, only when asked for
+
+        self.tokenizer, self.block_size, self.count, self.seed = tokenizer, block_size, count, seed
+        self.min_distance, self.epoch, self._draw = min_distance, 0, passkey_training_block
+        self[0]  # the arguments are checked here, not at the first batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self):
-        return len(self.blocks)
+        return self.count
 
     def __getitem__(self, index):
-        return {"input_ids": self.blocks[index]}
+        # a string seed is hashed with SHA-512 by `random`: the same draws in every process and Python run
+        rng = random.Random(f"passkey/{self.seed}/{self.epoch}/{index}")
+        ids, answer = self._draw(self.tokenizer, self.block_size, rng, task_description=False,
+                                 min_distance=self.min_distance)
+        return {"input_ids": ids, "answer_mask": answer}
+
+
+class TextWithPasskeys(ConcatDataset):
+    """Text blocks followed by passkey draws; every item has an `answer_mask` (all False on text) so that batches
+    mixing the two collate, and the loss can weight the answers (`lm_loss.answer_weighted_lm_loss`)."""
+
+    def __init__(self, text_set: Dataset, passkeys: PasskeyDraws):
+        super().__init__([text_set, passkeys])
+        self.passkeys = passkeys
+
+    def set_epoch(self, epoch: int) -> None:
+        self.passkeys.set_epoch(epoch)
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if "answer_mask" not in item:
+            item = {**item, "answer_mask": torch.zeros(item["input_ids"].shape, dtype=torch.bool)}
+        return item
 
 
 def check_passkey_fraction(fraction: float) -> None:
@@ -129,27 +166,44 @@ def check_passkey_fraction(fraction: float) -> None:
                          "sequences (0: text only).")
 
 
-def with_passkey_blocks(text_set: Dataset, fraction: float, tokenizer, block_size: int, seed: int) -> Dataset:
+def check_passkey_options(fraction: float, min_distance: int, block_size: int,
+                          answer_weight: float | None = None) -> None:
+    """The passkey options: a fraction in [0, 1), a minimum distance that fits the block, an answer weight > 0; the
+    options that shape the passkey sequences need some (nothing is silently ignored)."""
+    check_passkey_fraction(fraction)
+    if min_distance < 0 or (min_distance and min_distance >= block_size):
+        raise ValueError(f"--passkey_min_distance={min_distance} is invalid: set 0 (any distance) or a number of "
+                         f"tokens below --block_size={block_size}, such as the exact window's width.")
+    if answer_weight is not None and not answer_weight > 0:
+        raise ValueError(f"--passkey_answer_weight={answer_weight} is invalid: set a positive weight of the answer "
+                         "tokens' loss (1: as any other token).")
+    unused = [name for name, value, default in (("--passkey_min_distance", min_distance, 0),
+                                                ("--passkey_answer_weight", answer_weight, 1.0))
+              if value is not None and value != default]
+    if unused and not fraction:
+        raise ValueError(f"{' and '.join(unused)} shape passkey sequences, and --passkey_fraction is 0: set "
+                         "--passkey_fraction (e.g. 0.5) or drop them.")
+
+
+def with_passkey_blocks(text_set: Dataset, fraction: float, tokenizer, block_size: int, seed: int,
+                        min_distance: int = 0) -> Dataset:
     """The text blocks plus, for a passkey fraction f, f / (1 - f) passkey sequences per text block (each exactly
-    `block_size` tokens, ending with its answer), so a model learns on data that needs retrieval from anywhere in the
-    context ("LoLA", arXiv 2505.23666, finds that conversions keep only what their training data exercises)."""
+    `block_size` tokens, ending with its answer, drawn afresh every epoch: `PasskeyDraws`), so a model learns on data
+    that needs retrieval from anywhere in the context ("LoLA", arXiv 2505.23666, finds that conversions keep only
+    what their training data exercises)."""
     if not fraction:
         return text_set
-    from attnzoo.evaluation.passkey import passkey_training_blocks  # evaluation code, only when asked for
-
     count = round(len(text_set) * fraction / (1.0 - fraction))
     try:
-        blocks = passkey_training_blocks(tokenizer, block_size, count, seed=seed, task_description=False)
+        passkeys = PasskeyDraws(tokenizer, block_size, count, seed, min_distance)
     except ValueError as error:  # e.g. blocks too short to hold a key and its question
         raise ValueError(f"--passkey_fraction={fraction} with --block_size={block_size}: {error}") from error
-    return ConcatDataset([text_set, PasskeyBlocks(blocks)])
+    return TextWithPasskeys(text_set, passkeys)
 
 
 def count_passkey_blocks(train_set: Dataset) -> int:
     """How many of a training set's sequences `with_passkey_blocks` added."""
-    if isinstance(train_set, ConcatDataset):
-        return sum(len(part) for part in train_set.datasets if isinstance(part, PasskeyBlocks))
-    return 0
+    return len(train_set.passkeys) if isinstance(train_set, TextWithPasskeys) else 0
 
 
 def tokenize_text_dataset(dataset, tokenizer, text_column: str, byte_level: bool) -> torch.Tensor:

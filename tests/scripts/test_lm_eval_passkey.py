@@ -94,3 +94,25 @@ def test_the_evaluate_script_passes_the_lengths_to_the_tasks(saved_model, tmp_pa
                             '"trials": 3}', "--output_file", out])
     found = json.loads(out.read_text())
     assert [(row["task"], row["metric"], row["samples"]) for row in found["lm_eval"]] == [("attnzoo_passkey", "acc", 3)]
+
+
+def test_the_tasks_can_leave_out_the_task_description_as_training_sequences_do(saved_model):
+    """A model trained with --passkey_fraction saw prompts without the opening description; metadata
+    task_description=false gives it those (the builders are called as lm-eval calls them)."""
+    from attnzoo.evaluation.tasks.passkey.passkey_tasks import passkey_distance_documents, passkey_documents
+
+    folder, tokenizer = saved_model
+    plain = passkey_documents(pretrained=str(folder), max_seq_lengths=[300], depths=[0.5], trials=2,
+                              task_description=False)["test"]
+    for trial, document in enumerate(plain):
+        prompt = passkey_prompt(tokenizer, 300, 0.5, random.Random(f"0:{trial}"), task_description=False)
+        assert tokenizer(document["context"])["input_ids"] == prompt.input_ids
+        assert "important info" not in document["context"]
+    far = passkey_distance_documents(pretrained=str(folder), max_seq_lengths=[300], distances=[100, 250], trials=1,
+                                     task_description=False)["test"]
+    for document, distance in zip(far, [100, 250], strict=True):
+        context = document["context"]
+        assert "important info" not in context and document["distance"] == distance
+        assert len(context) - context.index(f"\nThe pass key is {document['passkey']}") == distance
+    with pytest.raises(ValueError, match="task_description='no' in --metadata"):
+        passkey_documents(pretrained=str(folder), task_description="no")

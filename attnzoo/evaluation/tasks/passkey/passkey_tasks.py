@@ -40,14 +40,25 @@ def _row(tokenizer, prompt, length: int) -> dict:
             "distance": len(prompt.input_ids) - prompt.key_position}
 
 
+def _task_description(kwargs: dict) -> bool:
+    """`task_description` (default true): false drops the opening task description, as the training sequences of
+    `--passkey_fraction` do (a model trained on those is measured on the prompts it learned)."""
+    value = kwargs.get("task_description", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"task_description={value!r} in --metadata: pass true or false.")
+    return value
+
+
 def passkey_documents(**kwargs):
-    """Prompts of every (length, depth) cell, `trials` each: `max_seq_lengths`, `depths`, `trials`, `seed`."""
+    """Prompts of every (length, depth) cell, `trials` each: `max_seq_lengths`, `depths`, `trials`, `seed`,
+    `task_description`."""
     from attnzoo.evaluation.passkey import passkey_prompt
 
     tokenizer = _tokenizer(kwargs)
-    trials, seed = int(kwargs.get("trials", 5)), kwargs.get("seed", 0)
+    trials, seed, described = int(kwargs.get("trials", 5)), kwargs.get("seed", 0), _task_description(kwargs)
     return _dataset([_row(tokenizer, passkey_prompt(tokenizer, int(length), float(depth),
-                                                    random.Random(f"{seed}:{t}")), int(length))
+                                                    random.Random(f"{seed}:{t}"), task_description=described),
+                          int(length))
                      for length in kwargs.get("max_seq_lengths", DEFAULT_LENGTHS)
                      for depth in kwargs.get("depths", DEFAULT_DEPTHS) for t in range(trials)])
 
@@ -55,31 +66,33 @@ def passkey_documents(**kwargs):
 def passkey_distance_documents(**kwargs):
     """Prompts whose key line starts `distances` tokens before the end of the prompt, for every length of
     `max_seq_lengths` that holds them: the depth is chosen to put the key there (to the token where the filler
-    allows it)."""
+    allows it); also `task_description`."""
     from attnzoo.evaluation.passkey import minimum_length, passkey_prompt
 
     tokenizer = _tokenizer(kwargs)
-    trials, seed = int(kwargs.get("trials", 5)), kwargs.get("seed", 0)
+    trials, seed, described = int(kwargs.get("trials", 5)), kwargs.get("seed", 0), _task_description(kwargs)
+    shortest = minimum_length(tokenizer, task_description=described)
     rows = []
     for length in map(int, kwargs.get("max_seq_lengths", DEFAULT_LENGTHS)):
-        filler = length - minimum_length(tokenizer)
+        filler = length - shortest
         for distance in map(int, kwargs.get("distances", (length // 2,))):
             # tokens after the key line's start: key line + filler after + question = distance
-            after = distance - (minimum_length(tokenizer) - _head_length(tokenizer))
+            after = distance - (shortest - _head_length(tokenizer, described))
             if filler <= 0 or not 0 <= after <= filler:
                 raise ValueError(f"distance {distance} does not fit a prompt of {length} tokens; pass distances "
-                                 f"between {minimum_length(tokenizer) - _head_length(tokenizer)} and "
-                                 f"{minimum_length(tokenizer) - _head_length(tokenizer) + max(filler, 0)}.")
+                                 f"between {shortest - _head_length(tokenizer, described)} and "
+                                 f"{shortest - _head_length(tokenizer, described) + max(filler, 0)}.")
             depth = 1.0 - after / filler
-            rows += [_row(tokenizer, passkey_prompt(tokenizer, length, depth, random.Random(f"{seed}:{t}")), length)
+            rows += [_row(tokenizer, passkey_prompt(tokenizer, length, depth, random.Random(f"{seed}:{t}"),
+                                                    task_description=described), length)
                      for t in range(trials)]
     return _dataset(rows)
 
 
-def _head_length(tokenizer) -> int:
+def _head_length(tokenizer, task_description: bool = True) -> int:
     from attnzoo.evaluation.passkey import _description, _leading_special_ids
 
-    return len(_leading_special_ids(tokenizer)) + len(_description(tokenizer))
+    return len(_leading_special_ids(tokenizer)) + (len(_description(tokenizer)) if task_description else 0)
 
 
 def process_results(doc: dict, results: list[str]) -> dict:

@@ -44,6 +44,10 @@ TASK_DESCRIPTION = ("There is an important info hidden inside a lot of irrelevan
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 ANSWER = " {key}"
+#: what ends the answer of a training sequence: the key line's own punctuation, so that a trained model stops after
+#: the key (Landmark's score reads the first run of digits; a model trained on sequences ending at the key's last
+#: digit goes on with more digits: one retrieved 65019 and wrote 6501991)
+TRAINING_ANSWER_END = "."
 FILLERS = ("repeat", "corpus")
 #: how the generated continuation is scored (Landmark Attention's rule)
 SCORING = "correct when the first run of digits in the greedy continuation equals the pass key"
@@ -85,13 +89,14 @@ def _leading_special_ids(tokenizer) -> list[int]:
     return []
 
 
-def _answer_ids(tokenizer, key: str) -> list[int]:
-    """The answer's tokens as they follow the question: encoded together and split, when the question's own tokens
-    are a prefix of the joint encoding (BPE may merge across the boundary otherwise)."""
-    question, joint = _encode(tokenizer, QUESTION), _encode(tokenizer, QUESTION + ANSWER.format(key=key))
+def _answer_ids(tokenizer, key: str, ending: str = "") -> list[int]:
+    """The answer's tokens (followed by `ending`) as they follow the question: encoded together and split, when the
+    question's own tokens are a prefix of the joint encoding (BPE may merge across the boundary otherwise)."""
+    answer = ANSWER.format(key=key) + ending
+    question, joint = _encode(tokenizer, QUESTION), _encode(tokenizer, QUESTION + answer)
     if joint[:len(question)] == question and len(joint) > len(question):
         return joint[len(question):]
-    return _encode(tokenizer, ANSWER.format(key=key))
+    return _encode(tokenizer, answer)
 
 
 @functools.lru_cache(maxsize=1)
@@ -437,9 +442,10 @@ def passkey_training_blocks(tokenizer, block_size: int, count: int, seed: int = 
                             filler: str = "repeat", filler_text: str = DEFAULT_FILLER, task_description: bool = True,
                             depths: Sequence[float] | None = None, with_answer_mask: bool = False,
                             min_distance: int = 0):
-    """`count` passkey sequences of exactly `block_size` tokens, each a prompt followed by its answer (" 12345"), so
-    the answer tokens are the block's last ones and next-token training on the block teaches retrieval. To mix
-    retrieval into a language-model data set at a fraction f, add f / (1 - f) blocks of these per text block.
+    """`count` passkey sequences of exactly `block_size` tokens, each a prompt followed by its answer (" 12345.",
+    the key and `TRAINING_ANSWER_END`), so the answer tokens are the block's last ones and next-token training on
+    the block teaches retrieval. To mix retrieval into a language-model data set at a fraction f, add f / (1 - f)
+    blocks of these per text block.
 
     Block i draws its depth (uniform in [0, 1], or from `depths`), key and corpus filler from
     `random.Random(seed)`; the same arguments give the same blocks. With `min_distance`, depths are drawn so that the
@@ -486,7 +492,7 @@ def passkey_training_block(tokenizer, block_size: int, rng: random.Random, *, di
         raise ValueError(f"min_distance={min_distance!r}; pass a number of tokens >= 0 (0: any distance).")
     _check_filler(filler)
     key = str(rng.randrange(10 ** (digits - 1), 10 ** digits))
-    answer = _answer_ids(tokenizer, key)
+    answer = _answer_ids(tokenizer, key, TRAINING_ANSWER_END)
     length = block_size - len(answer)
     head, needle, question = _pieces(tokenizer, key, task_description)
     filler_count = length - len(head) - len(needle) - len(question)
@@ -507,7 +513,7 @@ def passkey_training_block(tokenizer, block_size: int, rng: random.Random, *, di
         depth = rng.randint(0, latest) / filler_count if filler_count else 0.0
     prompt = passkey_prompt(tokenizer, length, depth, random.Random(rng.getrandbits(64)), digits=digits,
                             passkey=key, filler=filler, filler_text=filler_text, task_description=task_description)
-    ids = torch.tensor(prompt.input_ids + prompt.answer_ids, dtype=torch.long)
+    ids = torch.tensor(prompt.input_ids + answer, dtype=torch.long)
     mask = torch.zeros(block_size, dtype=torch.bool)
-    mask[block_size - len(prompt.answer_ids):] = True
+    mask[block_size - len(answer):] = True
     return ids, mask

@@ -152,7 +152,8 @@ def test_lengths_and_depths_are_in_the_tokenizers_own_tokens():
     assert result["accuracy"] == {str(minimum): {"0": 1.0, "1": 1.0}, "200": {"0": 1.0, "1": 1.0}}
     blocks = pk.passkey_training_blocks(bpe, 100, 3, seed=0)
     assert blocks.shape == (3, 100) and (blocks[:, 0] == bpe.bos_token_id).all()
-    assert all(bpe.decode(row).endswith(" " + re.search(r"key is (\d+)", bpe.decode(row)).group(1)) for row in blocks)
+    assert all(bpe.decode(row).endswith(" " + re.search(r"key is (\d+)", bpe.decode(row)).group(1) + ".")
+               for row in blocks)
 
 
 def test_bad_prompt_arguments_say_the_fix():
@@ -259,15 +260,15 @@ def test_training_blocks_end_with_the_answer():
     for row, answer in zip(blocks, mask, strict=True):
         text = TOKENIZER.decode(row)
         key = re.search(r"pass key is (\d{5})\.", text).group(1)
-        assert text.endswith(f"{pk.QUESTION} {key}")
-        assert TOKENIZER.decode(row[answer]) == f" {key}" and answer[-6:].all() and answer.sum() == 6
-    depths = [pk.passkey_prompt(TOKENIZER, 294, d).key_position for d in (0, 1)]
+        assert text.endswith(f"{pk.QUESTION} {key}.")  # the answer ends as the key line's key does: it stops there
+        assert TOKENIZER.decode(row[answer]) == f" {key}." and answer[-7:].all() and answer.sum() == 7
+    depths = [pk.passkey_prompt(TOKENIZER, 293, d).key_position for d in (0, 1)]  # 300 - the answer
     fixed = pk.passkey_training_blocks(TOKENIZER, 300, 4, depths=[0, 1])
     keys = [TOKENIZER.decode(row).index("\nThe pass key") for row in fixed]
     assert set(keys) <= set(depths)
     assert pk.passkey_training_blocks(TOKENIZER, 120, 2, task_description=False).shape == (2, 120)
     assert pk.passkey_training_blocks(TOKENIZER, 300, 0).shape == (0, 300)
-    with pytest.raises(ValueError, match=f"block_size=200 cannot hold.*minimum is {MINIMUM + 6} tokens"):
+    with pytest.raises(ValueError, match=f"block_size=200 cannot hold.*minimum is {MINIMUM + 7} tokens"):
         pk.passkey_training_blocks(TOKENIZER, 200, 1)
     with pytest.raises(ValueError, match=r"depths=1.5 is outside \[0, 1\]"):
         pk.passkey_training_blocks(TOKENIZER, 300, 1, depths=[1.5])

@@ -2,6 +2,7 @@
 beyond a minimum distance, the answer tokens weighted in train_lm.py's loss, and the options checked."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_draws_are_new_every_epoch_and_the_same_for_the_same_epoch():
     item = draws[0]
     assert item["input_ids"].shape == item["answer_mask"].shape == (160,)
     answer = bytes(item["input_ids"][item["answer_mask"]].tolist()).decode()
-    assert answer.startswith(" ") and answer.strip().isdigit() and item["answer_mask"][-len(answer):].all()
+    assert re.fullmatch(r" \d{5}\.", answer) and item["answer_mask"][-len(answer):].all()  # the key, and its end
 
 
 def test_min_distance_spreads_the_key_beyond_the_window():
@@ -59,7 +60,7 @@ def test_min_distance_spreads_the_key_beyond_the_window():
     distances = [key_distance(*passkey_training_block(TOKENIZER, 256, rng, task_description=False, min_distance=150))
                  for _ in range(200)]
     assert min(distances) > 150
-    longest = 256 - 6  # the key line right after the start, the answer its last 6 tokens
+    longest = 256 - 7  # the key line right after the start, the answer (" 12345.") its last 7 tokens
     assert max(distances) >= longest - 10  # the far end is reached ...
     near = sum(d <= 150 + (longest - 150) / 2 for d in distances)
     assert 70 <= near <= 130  # ... and the distances are spread evenly, not bunched at one end

@@ -1,7 +1,9 @@
 """The README as a new user meets it: every code block runs, in a fresh process, from a folder of its own. The
-set-up commands run without their `pip install` (CI's `.ci/run` does that part) and with the training runs cut to a
-few steps; the Python blocks and the fine-tune/evaluate commands then use the checkpoint the main job wrote."""
+set-up commands run without their `pip install` (CI's `.ci/run` does that part), with the training runs cut to a few
+steps and the passkey runs to one prompt per length; the Python blocks and the fine-tune/evaluate commands then use
+the checkpoint the main job wrote."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -14,6 +16,7 @@ from tests.scripts_helpers import ROOT, save_tiny_llama, script_env
 
 README = ROOT / "README.md"
 SHORT_RUN = ["--max_train_steps", "3"]
+SHORT_PASSKEY = ["--trials", "1", "--depths", "0.5"]
 
 
 def code_blocks() -> list[tuple[str, str]]:
@@ -27,6 +30,8 @@ def run_command(line: str, cwd: Path) -> str:
     argv = shlex.split(line)
     if argv[:2] == ["accelerate", "launch"]:
         argv = [sys.executable, "-m", "accelerate.commands.launch", *argv[2:], *SHORT_RUN]
+    elif argv[:2] == ["python", "benchmarks/passkey_retrieval.py"]:  # every length, fewer prompts (later flags win)
+        argv = [sys.executable, *argv[1:], *SHORT_PASSKEY]
     elif argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
     done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=script_env(), timeout=900)
@@ -39,8 +44,8 @@ def test_every_readme_code_block_runs(tmp_path):
     for folder in ("scripts", "recipes"):  # the commands name them relative to the checkout
         (tmp_path / folder).symlink_to(ROOT / folder)
     blocks = code_blocks()
-    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash", "bash"]
-    main_job, tests, load, new_model, fine_tune, open_llm, judge = (code for _, code in blocks)
+    assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash", "bash", "bash"]
+    main_job, tests, load, new_model, fine_tune, open_llm, judge, long_context = (code for _, code in blocks)
 
     commands = [c for c in main_job.strip().split(" && ") if not c.startswith("pip install")]
     assert main_job.startswith('pip install -e ".[vision,dev]" && ') and len(commands) == 1
@@ -82,3 +87,9 @@ def test_every_readme_code_block_runs(tmp_path):
     assert "attnzoo_pydoc" in card and "## Passkey retrieval" in card
     assert "| 4096 tokens |" in card
 
+    # Long context: an exact window with an LSH far part without positions, trained on passkey sequences beyond the
+    # window (answers weighted), then measured at 16x its training length.
+    for line in long_context.strip().splitlines():
+        run_command(line, tmp_path)
+    found = json.loads((tmp_path / "runs" / "lsh-long" / "passkey.json").read_text())
+    assert set(found["models"]["lsh-long"]["accuracy"]) == {"256", "1024", "4096"}

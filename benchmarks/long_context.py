@@ -1,0 +1,407 @@
+"""Long context that can tell designs apart (issue 36): passkey retrieval and held-out loss far beyond the training
+length, and the decoding state each design needs for it.
+
+    nice -n 5 python benchmarks/long_context.py        # each model ~10 min on 2 CPU cores; finished runs are reused
+
+On the English text CPython ships (byte-level; held-out = its last 5%), every model is trained from scratch with
+scripts/train_lm.py on the same budget: 4 layers x 128, rotary positions, 256-token blocks, half of them passkey
+sequences drawn afresh every epoch with the key more than one window away from the answer (`--passkey_min_distance`)
+and the answer tokens weighted in the loss (`--passkey_answer_weight`). Every window is 32 tokens + 4 sinks, an
+eighth of the training length, so retrieval during training must go through each design's far part. The designs:
+
+- `source`: exact softmax attention with rotary positions everywhere, the model every conversion starts from; and the
+  same weights with linear and NTK ("dynamic") rope scaling at inference, what a user tries first;
+- `window`: the exact window + sinks alone (no far part: the floor);
+- `lsh_window` with a rotary, an unrotated and an unrotated + log-scaled far part (separate queries and keys), and
+  the unrotated one with shared QK;
+- `favor_window` with an unrotated far part;
+- two iRoPE-style hybrids: three window layers, then a global layer without positions (Llama 4's log query scale),
+  exact softmax or LSH;
+- `source_unweighted`: the source trained with an answer weight of 1, to show what the weight does.
+
+Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
+distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds),
+held-out bits/dim by position bucket (does the loss blow up past the training length?), and the decoding state's
+bytes after a prefill of each length against the source's KV cache. The goal (issue 36): some design keeps >= 90%
+passkey accuracy at 4x and >= 50% at 16x, with bits/dim at 4x within 0.05 of 1x and a state no larger than the
+source's KV cache.
+
+Writes benchmarks/results/long_context.json (every figure, the setup, the commands) and long_context.png, and rewrites
+the long-context table of README.md and docs/long_context.md from them (`--readme_only` does just that). Finished
+runs and evaluations in --output_dir are read instead of redone (`--retrain` redoes them); `--models` picks designs
+(the source always comes first: the rope-scaling rows and the KV-cache ratio need it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
+
+from harness import cache_state_bytes, write_between_markers  # noqa: E402
+from uptraining import ROOT, relative, run  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+#: the files that show the table (between the markers)
+TABLE_FILES = (ROOT / "README.md", ROOT / "docs" / "long_context.md")
+TABLE_START, TABLE_END = "<!-- long_context table: start -->", "<!-- long_context table: end -->"
+WINDOW = ["window_size=32", "num_sink_tokens=4"]
+LSH = ["lsh_chunk_length=32", "lsh_num_hashes=2"]
+NO_POSITIONS = ["far_positions=[none]"]
+LOG_SCALE = ["far_query_scale=log", "far_query_scale_length=256"]  # grows from the training length on
+IROPE = ["far_positions=[rotary,rotary,rotary,none]", *LOG_SCALE]
+#: name: (family, `--model` settings, answer weight: None = the benchmark's)
+DESIGNS = {
+    "source": ("softmax", [], None),
+    "window": ("window", WINDOW, None),
+    "lsh_window_rotary": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false"], None),
+    "lsh_window_none": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
+                                     *NO_POSITIONS], None),
+    "lsh_window_none_log": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
+                                         *NO_POSITIONS, *LOG_SCALE], None),
+    "lsh_window_none_shared_qk": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, *NO_POSITIONS], None),
+    "favor_window_none": ("performer", ["attn_layers=[favor_window]", *WINDOW, "feature_redraw=learned",
+                                        "num_random_features=64", *NO_POSITIONS], None),
+    "irope_softmax": ("hybrid", ["attn_layers=[window,window,window,full]", *WINDOW, *IROPE], None),
+    "irope_lsh": ("hybrid", ["attn_layers=[window,window,window,lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
+                             *IROPE], None),
+    "source_unweighted": ("softmax", [], 1.0),
+}
+#: every model's common settings (the reformer family's defaults are reversible with axial positions: not these)
+COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
+          "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
+#: the arguments an evaluation depends on (a cached one is reused only if they match)
+EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "passkey_trials", "heldout_sequences",
+                       "seed")
+#: rope scaling at inference (the source's weights): name -> (rope_scaling for a prompt of m training lengths)
+ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)},
+                "source_ntk": lambda m: {"rope_type": "dynamic", "factor": float(m)}}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
+    p.add_argument("--steps", type=int, default=3000, help="training steps of every model")
+    p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--block_size", type=int, default=256, help="the training length L")
+    p.add_argument("--train_stride", type=int, default=64, help="a text block starts every N tokens")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--passkey_fraction", type=float, default=0.5)
+    p.add_argument("--passkey_answer_weight", type=float, default=30.0)
+    p.add_argument("--passkey_min_distance", type=int, default=36, help="the window + sinks")
+    p.add_argument("--length_multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--passkey_depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--passkey_trials", type=int, default=4, help="keys per length and depth")
+    p.add_argument("--heldout_sequences", type=int, default=4, help="held-out sequences of the longest length")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", type=Path, default=Path("runs/long_context"))
+    p.add_argument("--results", type=Path, default=RESULTS / "long_context.json")
+    p.add_argument("--retrain", action="store_true", help="redo runs and evaluations that already finished")
+    p.add_argument("--readme_only", action="store_true",
+                   help="only rewrite the tables of README.md and docs/long_context.md from --results")
+    return p
+
+
+def check_arguments(args) -> None:
+    for name in ("steps", "batch", "block_size", "train_stride", "hidden", "layers", "heads", "passkey_trials",
+                 "heldout_sequences"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
+    if not 0.0 < args.passkey_fraction < 1.0:
+        raise ValueError(f"--passkey_fraction={args.passkey_fraction} is invalid: set a fraction in (0, 1).")
+    if any(m < 1 for m in args.length_multiples) or 1 not in args.length_multiples:
+        raise ValueError(f"--length_multiples={args.length_multiples}: positive multiples, 1 among them.")
+
+
+# -- training ---------------------------------------------------------------------------------------------------
+def train_design(name: str, args, log: list[str]) -> dict:
+    """Train one design (or read its finished run) -> the run's record."""
+    family, settings, weight = DESIGNS[name]
+    folder = args.output_dir / name
+    model = [f"hidden_size={args.hidden}", f"num_hidden_layers={args.layers}", f"num_attention_heads={args.heads}",
+             f"intermediate_size={4 * args.hidden}", "position_embedding_type=rotary", "hidden_dropout_prob=0.0",
+             "attention_probs_dropout_prob=0.0", *COMMON[family], *settings]
+    command = ["scripts/train_lm.py", "--family", family, "--model", *model, "--block_size", args.block_size,
+               "--train_stride", args.train_stride, "--per_device_train_batch_size", args.batch,
+               "--passkey_fraction", args.passkey_fraction, "--passkey_min_distance", args.passkey_min_distance,
+               "--passkey_answer_weight", args.passkey_answer_weight if weight is None else weight,
+               "--max_train_steps", args.steps, "--learning_rate", args.learning_rate,
+               "--num_warmup_steps", max(1, args.steps // 20), "--eval_steps", max(1, args.steps // 4),
+               "--logging_steps", 50, "--sample_tokens", 0, "--report_to", "jsonl", "--seed", args.seed,
+               "--output_dir", folder]
+    # A finished run is reused only if it ran this exact command (other settings retrain it, in its own folder). The
+    # benchmark's own records live beside the run folders: train_lm.py refuses to replace a folder holding files
+    # it did not write.
+    recorded = records(args.output_dir, name, "command")
+    wanted = [str(c) for c in command]
+    done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
+            and json.loads(recorded.read_text()) == wanted)
+    if not done and folder.exists():
+        command.append("--overwrite_output_dir")
+    run(command, log, execute=not done)
+    recorded.write_text(json.dumps(wanted))
+    results = json.loads((folder / "all_results.json").read_text())
+    return {"folder": relative(folder), "family": family, "settings": settings,
+            "answer_weight": args.passkey_answer_weight if weight is None else weight,
+            "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
+            "train_tokens": results["train_steps"] * args.batch * args.block_size,
+            "eval_bits_per_dim_at_L": results["eval_bits_per_dim"]}
+
+
+# -- evaluation -------------------------------------------------------------------------------------------------
+def load(folder: Path, rope_scaling: dict | None = None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import attnzoo  # noqa: F401  (registers the families)
+
+    extra = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **extra).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
+def passkey_by_length(model, tokenizer, args, lengths: list[int]) -> dict:
+    """Passkey accuracy per length, and per cell the key's distance from the answer."""
+    from attnzoo.evaluation.passkey import passkey_accuracy
+
+    found = passkey_accuracy(model, tokenizer, lengths, args.passkey_depths, trials=args.passkey_trials,
+                             seed=args.seed + 1, batch_size=4, task_description=False)
+    cells = [{"length": c["length"], "depth": c["depth"], "accuracy": c["accuracy"],
+              "distance": None if c["key_position"] is None else c["length"] - c["key_position"]}
+             for c in found["cells"]]
+    per_length = {}
+    for n in lengths:
+        scores = [c["accuracy"] for c in cells if c["length"] == n and c["accuracy"] is not None]
+        per_length[str(n)] = sum(scores) / len(scores) if scores else None
+    return {"accuracy": per_length, "cells": cells, "samples": [c["samples"][:1] for c in found["cells"][:3]]}
+
+
+def distance_buckets(cells: list[dict], block_size: int, multiples: list[int]) -> dict:
+    """Mean passkey accuracy of the cells whose key lies within (previous multiple, multiple] x L of the answer."""
+    edges = [0, *sorted(multiples)]
+    buckets = {}
+    for low, high in zip(edges, edges[1:], strict=False):
+        scores = [c["accuracy"] for c in cells if c["accuracy"] is not None and c["distance"] is not None
+                  and low * block_size < c["distance"] <= high * block_size]
+        buckets[f"{low}-{high}x"] = sum(scores) / len(scores) if scores else None
+    return buckets
+
+
+def heldout_by_position(model, args, longest: int, length: int | None = None) -> dict:
+    """Held-out bits/dim of `--heldout_sequences` sequences of `longest` tokens (their first `length` tokens when
+    given: every model and scaling reads the same text at the same positions), by position bucket [0, 1x), [1x,
+    2x), ... of the training length (the text train_lm.py holds out: the corpus's last 5%)."""
+    import torch
+
+    from attnzoo.corpus import default_corpus_text
+
+    text = default_corpus_text().encode("utf-8")
+    heldout = torch.tensor(list(text[len(text) * 95 // 100:]), dtype=torch.long)
+    count = min(args.heldout_sequences, heldout.numel() // longest)
+    if count == 0:
+        raise ValueError(f"the held-out text holds {heldout.numel()} bytes, fewer than one sequence of {longest}.")
+    ids = heldout[:count * longest].view(count, longest)[:, :length]
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1]
+    nats = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").mean(0)
+    edges = [0, *sorted(args.length_multiples)]
+    out = {}
+    for low, high in zip(edges, edges[1:], strict=False):
+        part = nats[low * args.block_size: high * args.block_size - 1]
+        out[f"{low}-{high}x"] = float(part.mean() / math.log(2)) if part.numel() else None
+    return out
+
+
+def state_bytes(model, lengths: list[int], seed: int) -> dict:
+    import torch
+
+    from attnzoo.transformers_compat import output_cache
+
+    generator = torch.Generator().manual_seed(seed)
+    sizes = {}
+    for n in lengths:
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=generator)
+        with torch.no_grad():
+            sizes[str(n)] = cache_state_bytes(output_cache(model(ids, use_cache=True)))
+    return sizes
+
+
+def evaluate_design(name: str, folder: Path, args, rope_scaling=None) -> dict:
+    """Every figure of one model (cached in its folder as long_context_eval.json)."""
+    cache = records(folder.parent, name, "evaluation")
+    settings = {name: getattr(args, name) for name in EVALUATION_SETTINGS}
+    if cache.is_file() and not args.retrain:
+        cached = json.loads(cache.read_text())
+        if cached.get("settings") == settings and cached.get("trained") == _run_stamp(folder):
+            return cached
+    started = time.time()
+    lengths = [args.block_size * m for m in sorted(args.length_multiples)]
+    if rope_scaling is None:
+        model, tokenizer = load(folder)
+        passkey = passkey_by_length(model, tokenizer, args, lengths)
+        heldout = heldout_by_position(model, args, lengths[-1])
+        states = state_bytes(model, lengths, args.seed)
+    else:  # each length with the scaling its own length calls for
+        passkey = {"accuracy": {}, "cells": [], "samples": []}
+        heldout, states = {}, None
+        for m in sorted(args.length_multiples):
+            model, tokenizer = load(folder, rope_scaling(m))
+            found = passkey_by_length(model, tokenizer, args, [args.block_size * m])
+            passkey["accuracy"].update(found["accuracy"])
+            passkey["cells"] += found["cells"]
+            heldout[f"{m}x"] = heldout_by_position(model, args, lengths[-1], args.block_size * m)
+    result = {"passkey": passkey["accuracy"], "cells": passkey["cells"], "samples": passkey["samples"],
+              "passkey_by_distance": distance_buckets(passkey["cells"], args.block_size, args.length_multiples),
+              "bits_per_dim_by_position": heldout, "state_bytes": states,
+              "eval_seconds": round(time.time() - started, 1), "settings": settings,
+              "trained": _run_stamp(folder)}
+    cache.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _run_stamp(folder: Path) -> str:
+    """What an evaluation was made of: the trained run's command (a retrained model is evaluated again)."""
+    recorded = records(folder.parent, folder.name, "command")
+    return recorded.read_text() if recorded.is_file() else ""
+
+
+def records(output_dir: Path, name: str, kind: str) -> Path:
+    """The benchmark's record of one model (its training command, or its evaluation), in output_dir/records."""
+    folder = output_dir / "records"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{name}_{kind}.json"
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+def summarise(report: dict) -> dict:
+    """Per model: passkey at each multiple, bits/dim growth from 1x to 4x, state over the source's KV cache; and
+    whether any model meets the goal."""
+    setup = report["setup"]
+    lengths = [str(setup["block_size"] * m) for m in setup["length_multiples"]]
+    kv = report["models"].get("source", {}).get("state_bytes") or {}
+    rows = {}
+    for name, model in report["models"].items():
+        positions = model["bits_per_dim_by_position"]
+        if "1x" in positions:  # rope scaling: one evaluation per length, each with its own scaling
+            first, at4 = _ending_at(positions.get("1x") or {}, 1), _ending_at(positions.get("4x") or {}, 4)
+        else:
+            first, at4 = _ending_at(positions, 1), _ending_at(positions, 4)
+        states = model.get("state_bytes")
+        rows[name] = {"passkey": {n: model["passkey"].get(n) for n in lengths},
+                      "bits_per_dim_1x": first, "bits_per_dim_4x": at4,
+                      "bits_per_dim_growth_4x": None if first is None or at4 is None else at4 - first,
+                      "state_over_source_kv": {n: states[n] / kv[n] for n in lengths if n in states and n in kv}
+                      if states else None}
+    four, sixteen = str(4 * setup["block_size"]), str(16 * setup["block_size"])
+
+    def meets(row):
+        state = row["state_over_source_kv"] or {}
+        return ((row["passkey"].get(four) or 0) >= 0.9 and (row["passkey"].get(sixteen) or 0) >= 0.5
+                and row["bits_per_dim_growth_4x"] is not None and row["bits_per_dim_growth_4x"] <= 0.05
+                and bool(state) and max(state.values()) <= 1.0)
+
+    return {"rows": rows, "meets_goal": [name for name, row in rows.items() if meets(row)]}
+
+
+def _ending_at(buckets: dict, multiple: int):
+    """The bits/dim of the position bucket that ends at `multiple` x L (None when not measured)."""
+    return next((value for key, value in buckets.items() if key.endswith(f"-{multiple}x")), None)
+
+
+def table(report: dict) -> str:
+    setup = report["setup"]
+    multiples = setup["length_multiples"]
+    head = " | ".join(f"passkey {m}x" for m in multiples)
+    lines = [f"| model | {head} | bits/dim 1x | bits/dim 4x | state at 16x / source KV |",
+             "|---|" + "---|" * (len(multiples) + 3)]
+    for name, row in report["summary"]["rows"].items():
+        cells = " | ".join("-" if row["passkey"][str(setup["block_size"] * m)] is None
+                           else f"{row['passkey'][str(setup['block_size'] * m)]:.0%}" for m in multiples)
+        state = (row["state_over_source_kv"] or {}).get(str(setup["block_size"] * max(multiples)))
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        lines.append(f"| {name} | {cells} | {fmt(row['bits_per_dim_1x'])} | {fmt(row['bits_per_dim_4x'])} | "
+                     f"{'-' if state is None else f'{state:.2f}x'} |")
+    goal = report["summary"]["meets_goal"]
+    lines.append("")
+    lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
+                 f"each; the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the "
+                 f"source's KV cache) is met by: {', '.join(goal) if goal else 'none yet'}. "
+                 "From `benchmarks/results/long_context.json`.")
+    return "\n".join(lines)
+
+
+def write_tables(report: dict) -> None:
+    for path in TABLE_FILES:
+        write_between_markers(path, TABLE_START, TABLE_END, table(report))
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setup = report["setup"]
+    multiples = setup["length_multiples"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, row in report["summary"]["rows"].items():
+        left.plot(multiples, [row["passkey"][str(setup["block_size"] * m)] for m in multiples], marker="o", label=name)
+        model = report["models"][name]
+        positions = model["bits_per_dim_by_position"]
+        if all(isinstance(v, (float, type(None))) for v in positions.values()):
+            right.plot(multiples, [positions.get(k) for k in positions], marker="o", label=name)
+    left.axhline(0.9, color="gray", linestyle=":")
+    left.set_xscale("log", base=2)
+    left.set_xlabel(f"prompt length (x L = {setup['block_size']})")
+    left.set_title("passkey accuracy")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("position bucket end (x L)")
+    right.set_title("held-out bits/dim by position")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.readme_only:
+        report = json.loads(args.results.read_text())
+        write_tables(report)
+        return report
+    check_arguments(args)
+    names = ["source", *[n for n in args.models if n != "source"]]
+    log: list[str] = []
+    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+             if k not in ("retrain", "readme_only", "results", "models")}
+    report = {"setup": setup, "designs": {n: DESIGNS[n][:2] for n in names}, "models": {}, "commands": log}
+    for name in names:
+        report["models"][name] = {**train_design(name, args, log),
+                                  **evaluate_design(name, args.output_dir / name, args)}
+        if name == "source":
+            for scaled, rule in ROPE_SCALING.items():
+                report["models"][scaled] = {"folder": report["models"]["source"]["folder"],
+                                            "rope_scaling": rule(4),
+                                            **evaluate_design(scaled, args.output_dir / "source", args, rule)}
+        report["summary"] = summarise(report)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(report, indent=1))  # after every model: a stopped run keeps the rest
+        plot(report, args.results.with_suffix(".png"))
+        print(json.dumps({name: report["summary"]["rows"][name]}), flush=True)
+    write_tables(report)
+    print(table(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ and the answer tokens weighted in the loss (`--passkey_answer_weight`). Every wi
 eighth of the training length, so retrieval during training must go through each design's far part. The designs:
 
 - `source`: exact softmax attention with rotary positions everywhere, the model every conversion starts from; and the
-  same weights with linear and NTK ("dynamic") rope scaling at inference, what a user tries first;
+  same weights with linear rope scaling at inference (position interpolation), what a user tries first;
 - `window`: the exact window + sinks alone (no far part: the floor);
 - `lsh_window` with a rotary, an unrotated and an unrotated + log-scaled far part (separate queries and keys), and
   the unrotated one with shared QK;
@@ -79,8 +79,8 @@ COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
 EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "passkey_trials", "heldout_sequences",
                        "seed")
 #: rope scaling at inference (the source's weights): name -> (rope_scaling for a prompt of m training lengths)
-ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)},
-                "source_ntk": lambda m: {"rope_type": "dynamic", "factor": float(m)}}
+#: (dynamic NTK and YaRN change the angles with the length; attnzoo refuses them: docs/llama_backbones.md)
+ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)}}
 
 
 def build_parser() -> argparse.ArgumentParser:

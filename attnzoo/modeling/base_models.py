@@ -152,6 +152,10 @@ class ZooModel(ZooPreTrainedModel):
     `AutoModel` like transformers' own (`LlamaForCausalLM.model` is a `LlamaModel`)."""
 
     def __init__(self, config):
+        # Settings given to from_pretrained(..., name=value) are set after the config checked itself: checked again
+        # here, so that an unsupported one (rope_scaling={"rope_type": "dynamic"}, say) raises instead of being
+        # silently ignored (found by the long-context benchmark's NTK row).
+        config.validate_architecture()
         super().__init__(config)
         if config.modality == "image":
             if config.pooling == "last":

@@ -191,3 +191,19 @@ def test_an_attention_without_position_ids_is_refused_in_a_rotary_model():
         ZooHybridForCausalLM(hybrid_config(attn_layers=["test_positionless"], position_embedding_type="learned"))
     finally:
         del ATTENTION_REGISTRY["test_positionless"]
+
+
+def test_a_rope_scaling_given_to_from_pretrained_is_checked_not_ignored(tmp_path):
+    """from_pretrained(..., rope_scaling=...) sets the value after the config checked itself; the model checks it
+    again, so a refused scaling (dynamic NTK) raises instead of leaving the rotations unscaled."""
+    from transformers import AutoModelForCausalLM
+
+    from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+
+    config = ZooSoftmaxConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=64, is_decoder=True, position_embedding_type="rotary")
+    ZooSoftmaxForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"rope_scaling.*'dynamic' is not supported"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    linear = AutoModelForCausalLM.from_pretrained(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    assert linear.config.rope_scaling["factor"] == 2.0

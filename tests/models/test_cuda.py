@@ -64,7 +64,7 @@ def test_fast_path_equals_cpu_with_the_same_buckets(kind):
     saved = {}
     for device in ("cpu", "cuda"):
         attn = attn.to(device)
-        xd = x.to(device).requires_grad_()
+        xd = x.detach().clone().to(device).requires_grad_()  # a leaf on each device (x.to("cpu") is x itself)
         # The CUDA run replays the buckets the CPU run drew (the two devices' RNGs differ).
         record = Recomputation(replaying=bool(saved), saved={k: v.to(device) for k, v in saved.items()})
         out = attn(xd, attention_mask=mask.to(device), recompute=record)

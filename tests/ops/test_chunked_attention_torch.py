@@ -102,3 +102,36 @@ def test_float32_probabilities_with_bfloat16_inputs_give_bfloat16_gradients(drop
 def _summed(out: torch.Tensor) -> torch.Tensor:
     weights = torch.linspace(-1, 1, out.numel()).view_as(out).to(out.dtype)
     return (out * weights).sum()
+
+
+def test_backward_outside_autocast_takes_mixed_dtype_inputs(monkeypatch):
+    """Under autocast q can be bfloat16 beside float32 keys and values (shared QK's normalised keys are made in
+    float32), and the forward's matmuls cast them; the backward runs outside autocast, so it must cast them itself
+    (a reversible Reformer's bfloat16 backward failed on the GPU). The gradients come back in each input's dtype and
+    equal those of the all-bfloat16 run. The softmax runs in float32 under autocast here, as CUDA autocast runs it:
+    the backward's recomputed probabilities must be those float32 ones, the probabilities a recomputing forward
+    saves (`save_probs`, a reversible stack's replay), or the two stacks' gradients differ."""
+    from attnzoo.ops.chunked_attention import torch_chunks
+
+    plain_softmax = torch_chunks._softmax_
+    monkeypatch.setattr(torch_chunks, "_softmax_", lambda scores: plain_softmax(
+        scores.float() if torch.is_autocast_enabled("cpu") else scores))
+    torch.manual_seed(4)
+    n, chunks, m, d = 2, 3, 4, 8
+    q = torch.randn(n, chunks, m, d).bfloat16().requires_grad_()
+    k, v = (torch.randn(n, chunks, m, d).requires_grad_() for _ in range(2))
+    positions = torch.arange(chunks * m).view(1, chunks, m).expand(n, -1, -1)
+    mask = ChunkMask(positions, torch.ones(n, chunks, m, dtype=torch.bool), before=1, after=0, causal=True)
+    runs = []
+    for save_probs in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = chunked_attention(q, k, v, mask, 0.5, 0.0, save_probs)
+        runs.append(torch.autograd.grad(_summed(out), (q, k, v)))
+    grads = runs[0]
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    for got, saved in zip(*runs, strict=True):
+        torch.testing.assert_close(got, saved, rtol=0, atol=0)
+    same = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(_summed(chunked_attention(*same, mask, 0.5, 0.0)[0]), same)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)

@@ -32,6 +32,14 @@ FOLD_MULTIPLIER = 1103515245  # odd, below FOLD_PRIME
 FOLD_INCREMENT = 12345
 
 
+def _opaque(counter: torch.Tensor) -> torch.Tensor:
+    """The counter as int64, unchanged, through an identity (xor 0) that inductor's index propagation does not
+    model: a counter made by `arange` would otherwise turn the fold into an index expression, which inductor's
+    Triton code (torch 2.11) computes in int32, so RA's compiled CUDA decode step failed to build ("Scalar
+    13622895699525 is out of range for type int32"; pytorch/pytorch PR 186913 fixes value expressions)."""
+    return counter.to(torch.int64) ^ 0
+
+
 def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
     """Uniform numbers in (0, 1), float64, one per element of the broadcast `counters` (int tensors, each in
     [0, 2**31 - 1)).
@@ -42,7 +50,7 @@ def counter_uniform(seed: int, *counters: torch.Tensor) -> torch.Tensor:
     counters took inductor over ten minutes to compile."""
     state = torch.full((), seed % FOLD_PRIME, dtype=torch.int64, device=counters[0].device)
     for counter in counters:
-        state = (state * FOLD_MULTIPLIER + counter.to(torch.int64) + FOLD_INCREMENT) % FOLD_PRIME
+        state = (state * FOLD_MULTIPLIER + _opaque(counter) + FOLD_INCREMENT) % FOLD_PRIME
     return (_hash32(state).double() + 0.5) / 4294967296.0
 
 

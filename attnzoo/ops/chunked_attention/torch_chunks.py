@@ -236,7 +236,12 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         num_chunks, blocks = shape[0] * shape[1], before + 1 + after
         q_flat = q.reshape(num_chunks, *shape[-2:])
         k_padded, v_padded = _padded_flat(k, before, after), _padded_flat(v, before, after, finite=True)
-        probs, lse = _softmax_(_masked_scores(q_flat, _flat_windows(k_padded, num_chunks, blocks), mask, scale))
+        scores = _masked_scores(q_flat, _flat_windows(k_padded, num_chunks, blocks), mask, scale)
+        probs, lse = _softmax_(scores)
+        # The backward runs outside autocast: it recomputes the scores and probabilities in the dtypes autocast gave
+        # them here (CUDA autocast: bfloat16 scores, float32 softmax), as a recomputing forward saves them.
+        ctx.scores_dtype, ctx.probs_dtype = scores.dtype, probs.dtype
+        del scores
         probs_flat = probs.view(num_chunks, shape[-2], -1)
         v_windows = _flat_windows(v_padded, num_chunks, blocks)
         keep = None
@@ -261,12 +266,15 @@ class ChunkedAttentionFunction(torch.autograd.Function):
         k_windows = _flat_windows(k_padded, num_chunks, blocks)
         v_windows = _flat_windows(v_padded, num_chunks, blocks)
         if probs is None:  # the forward's probabilities again (up to rounding), through the fused softmax
-            probs = _softmax_(_masked_scores(q_flat, k_windows, mask, scale))[0]
+            dtype = ctx.scores_dtype  # q and k may differ in dtype under autocast (shared QK's float32 keys)
+            scores = _masked_scores(q_flat.to(dtype), k_windows.to(dtype), mask, scale)
+            probs = _softmax_(scores.to(ctx.probs_dtype))[0]
+            del scores
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grad_out_flat = grad_out.reshape(num_chunks, *shape[-2:])
         probs_flat = probs.view(num_chunks, m, -1)
-        grad_probs = torch.bmm(grad_out_flat, v_windows.transpose(1, 2)).view_as(probs)
+        grad_probs = torch.bmm(grad_out_flat, v_windows.transpose(1, 2).to(grad_out.dtype)).view_as(probs)
         used = probs_flat if keep is None else (probs * keep).div_(1.0 - dropout_p).view_as(probs_flat)
         grad_v = _fold(used, grad_out_flat, v_padded, before, m)
         del used

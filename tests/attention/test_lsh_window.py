@@ -266,9 +266,16 @@ def test_encoder_layers_are_refused():
 
 
 # -- separate queries and keys (lsh_shared_qk=False) ---------------------------------------------------------------
+@pytest.mark.parametrize("path", ["masked_scores", "gathered_candidates"])
 @pytest.mark.parametrize("window, sinks, correction, hashes", [(4, 2, True, 2), (4, 2, False, 2), (1, 0, True, 3),
                                                                (5, 7, True, 1), (3, 0, True, 2)])
-def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes):
+def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes, path,
+                                                                          monkeypatch):
+    """Both forms of the far part, every key scored and all but the candidates masked (training lengths) and each
+    query's candidates gathered (long prompts), give the reference's values and gradients."""
+    import attnzoo.modeling.attention.lsh_window as lsh_window
+
+    monkeypatch.setattr(lsh_window, "DENSE_FAR_RATIO", 10**6 if path == "masked_scores" else 0)
     attn = layer(window_size=window, num_sink_tokens=sinks, lsh_duplicate_correction=correction, lsh_shared_qk=False,
                  lsh_num_hashes=hashes)
     assert [name for name, _ in attn.named_children()] == ["rotary", "q_proj", "k_proj", "v_proj", "o_proj"]
@@ -282,6 +289,7 @@ def test_separate_queries_and_keys_in_query_blocks_equal_the_dense_reference(slo
     import attnzoo.modeling.attention.lsh_window as lsh_window
 
     monkeypatch.setattr(lsh_window, "FAR_BLOCK_SLOTS", slots)
+    monkeypatch.setattr(lsh_window, "DENSE_FAR_RATIO", 0)
     check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False))
 
 

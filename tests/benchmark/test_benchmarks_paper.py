@@ -155,3 +155,21 @@ def test_train_lm_variants_end_to_end(tmp_path):
     with pytest.raises(ValueError, match="panels name variants"):
         experiment.write_text(yaml.safe_dump({**yaml.safe_load(experiment.read_text()), "panels": [["nope"]]}))
         variants.main([str(experiment)])
+
+
+def test_lsh_far_paths_end_to_end(tmp_path):
+    """Both far-part forms are timed at every length, the layer's own setting is restored, and the report says which
+    form was faster where."""
+    import attnzoo.modeling.attention.lsh_window as lsh_window
+
+    paths = load_benchmark("lsh_far_paths")
+    out = tmp_path / "far.json"
+    setting = lsh_window.DENSE_FAR_RATIO
+    paths.main(["--tokens", "128", "--lengths", "64", "128", "--repeats", "1", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert lsh_window.DENSE_FAR_RATIO == setting == report["dense_far_ratio"]
+    assert set(report["seconds"]) == {"masked_scores", "gathered_candidates"}
+    assert all(set(points) == {"64", "128"} and min(points.values()) > 0 for points in report["seconds"].values())
+    assert report["candidates_per_query"] == 2 * 32 and out.with_suffix(".png").stat().st_size > 0
+    with pytest.raises(ValueError, match="divide --tokens"):
+        paths.main(["--tokens", "128", "--lengths", "48", "--output", str(out)])

@@ -53,6 +53,11 @@ from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
 #: (query, candidate) pairs whose keys and values separate-QK LSH gathers at once (about 0.5 GB at head width 64)
 FAR_BLOCK_SLOTS = 1 << 20
+#: separate-QK LSH scores every earlier key and masks all but the candidates (one [L, L] softmax) while the length is
+#: at most this many times a query's R * K candidates: at training lengths that is several times faster on the CPU
+#: than gathering each query's candidates (the same keys and logits; `benchmarks/lsh_far_paths.py` measures where the
+#: two cross), and past it the gather's O(L * R * K) memory wins.
+DENSE_FAR_RATIO = 8
 
 
 @dataclass
@@ -214,6 +219,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         if state is not None:
             self._start_state(state, k, v, key_buckets, rotations)
         if not self.shared_qk:
+            if length <= DENSE_FAR_RATIO * query_buckets.shape[2] * self.recent_size:
+                return self._far_dense(q, k, v, query_buckets, key_buckets, valid)
             return self._far_of_candidates(q, k, v, candidate_positions(query_buckets, key_buckets, self.recent_size))
         m = self.chunk_length
         buckets = pad_to_multiple(query_buckets, m, dim=3, value=num_buckets)
@@ -223,6 +230,25 @@ class LSHFarPart(LSHBuckets, FarPart):
                                       buckets, sort_by_bucket(buckets), num_buckets, save_probs=replaying,
                                       return_lse=True, keys=None if k is q else pad_to_multiple(k, m, dim=2))
         return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
+
+    def _far_dense(self, q, k, v, query_buckets, key_buckets, valid):
+        """`_far_of_candidates` as one masked [L, L] softmax, for left-aligned queries q [B, H, L, d] and their
+        buckets [B, H, R, L] (`valid` [B, L]: real tokens): per round, key j is a candidate of query i when it lies in
+        i's bucket and fewer than K of that bucket's keys lie between them; a key listed in c rounds gets the logit
+        s + log(c), or s with the duplicate correction (what the gathered candidates' softmax gives)."""
+        length = q.shape[2]
+        position = torch.arange(length, device=q.device)
+        earlier = ((key_buckets[..., None, :] == query_buckets[..., :, None])
+                   & (position[None, :] < position[:, None]) & valid[:, None, None, None, :])  # [B, H, R, L, L]
+        seen = earlier.to(torch.int32)
+        between = seen.sum(-1, keepdim=True) - seen.cumsum(-1, dtype=torch.int32)  # same-bucket keys after j, before i
+        listed = (earlier & (between < self.recent_size)).sum(2, dtype=torch.int32)  # [B, H, L, L]: rounds listing j
+        far = (listed > 0) & beyond_window(position[:, None], position[None, :], self.layer.window_size,
+                                           self.layer.sinks)
+        logits = (q @ self.layer.expand_kv(k).transpose(-1, -2)) * self.scale
+        if not self.duplicate_correction:
+            logits = logits + listed.to(logits.dtype).log()
+        return normalised_far(logits.masked_fill(~far, float("-inf")), self.layer.expand_kv(v))
 
     def _far_of_candidates(self, q, k, v, candidates):
         """The far triple of left-aligned queries q [B, H, L, d] over their candidates [B, H, R, L, K] (positions of

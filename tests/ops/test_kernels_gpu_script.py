@@ -50,3 +50,14 @@ def test_the_windowed_cases_capture_the_layers_call(script, monkeypatch, kind):
     q, k, v, mask, scale = script.captured_window_call(kind, 4 * script.CHUNK)
     assert q.dim() == 4 and k.shape == q.shape == v.shape and q.shape[-1] == script.HEAD_DIM
     assert tuple(mask.positions.shape) == tuple(q.shape[:3]) and scale > 0
+
+
+def test_fla_rows_can_be_left_out(script, monkeypatch):
+    """`--no_fla` (the speed stage of benchmarks/gpu_session.sh: fla's cold-cache autotuning took a whole step's
+    limit) builds no fla rows; otherwise each fla function given gets its row."""
+    assert script.parse_args(["--no_fla"]).no_fla and not script.parse_args([]).no_fla
+    monkeypatch.setattr(script, "DEVICE", "cpu")
+    without = script.linear_steps(2 * script.CHUNK, {})
+    assert not any(name.startswith("fla") for name in without) and {"triton", "torch"} <= set(without)
+    given = script.linear_steps(2 * script.CHUNK, {"fla chunk_linear_attn": lambda *a, **k: None})
+    assert set(given) == set(without) | {"fla chunk_linear_attn"}

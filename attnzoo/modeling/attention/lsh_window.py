@@ -240,8 +240,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         position = torch.arange(length, device=q.device)
         earlier = ((key_buckets[..., None, :] == query_buckets[..., :, None])
                    & (position[None, :] < position[:, None]) & valid[:, None, None, None, :])  # [B, H, R, L, L]
-        seen = earlier.to(torch.int32)
-        between = seen.sum(-1, keepdim=True) - seen.cumsum(-1, dtype=torch.int32)  # same-bucket keys after j, before i
+        running = earlier.cumsum(-1, dtype=torch.int32)
+        between = running[..., -1:] - running  # same-bucket keys after j and before i
         listed = (earlier & (between < self.recent_size)).sum(2, dtype=torch.int32)  # [B, H, L, L]: rounds listing j
         far = (listed > 0) & beyond_window(position[:, None], position[None, :], self.layer.window_size,
                                            self.layer.sinks)

@@ -1,7 +1,7 @@
 """Long context that can tell designs apart (issue 36): passkey retrieval and held-out loss far beyond the training
 length, and the decoding state each design needs for it.
 
-    nice -n 5 python benchmarks/long_context.py        # each model ~10 min on 2 CPU cores; finished runs are reused
+    nice -n 5 python benchmarks/long_context.py    # 15-60 min a model on 2 CPU cores (LSH the longest); runs are reused
 
 On the English text CPython ships (byte-level; held-out = its last 5%), every model is trained from scratch with
 scripts/train_lm.py on the same budget: 4 layers x 128, rotary positions, 256-token blocks, half of them passkey
@@ -17,7 +17,10 @@ eighth of the training length, so retrieval during training must go through each
 - `favor_window` with an unrotated far part;
 - two iRoPE-style hybrids: three window layers, then a global layer without positions (Llama 4's log query scale),
   exact softmax or LSH;
-- `source_unweighted`: the source trained with an answer weight of 1, to show what the weight does.
+- `source_unweighted`: the source trained with an answer weight of 1, to show what the weight does;
+- `*_converted`: the trained source converted to a design (`python -m attnzoo.convert.attention`: its weights, the
+  design's attention) and fine-tuned on the same data for --finetune_steps (a quarter of the budget by default): what
+  a user with a pretrained rotary model does, starting from a model that already retrieves at 1x.
 
 Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
 distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds),
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -72,6 +76,10 @@ DESIGNS = {
                              *IROPE], None),
     "source_unweighted": ("softmax", [], 1.0),
 }
+#: the trained source converted to a design (`python -m attnzoo.convert.attention`: the same weights, the design's
+#: attention), then fine-tuned on the same data for --finetune_steps: name -> the design
+CONVERSIONS = {f"{design}_converted": design for design in ("window", "irope_softmax", "irope_lsh",
+                                                             "lsh_window_none_log")}
 #: every model's common settings (the reformer family's defaults are reversible with axial positions: not these)
 COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
           "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
@@ -85,9 +93,11 @@ ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": flo
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
+    p.add_argument("--models", nargs="+", default=[*DESIGNS, *CONVERSIONS], choices=[*DESIGNS, *CONVERSIONS])
     p.add_argument("--steps", type=int, default=3000, help="training steps of every model")
     p.add_argument("--learning_rate", type=float, default=2e-3)
+    p.add_argument("--finetune_steps", type=int, default=750, help="fine-tuning steps of each converted model")
+    p.add_argument("--finetune_learning_rate", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--block_size", type=int, default=256, help="the training length L")
     p.add_argument("--train_stride", type=int, default=64, help="a text block starts every N tokens")
@@ -111,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(args) -> None:
-    for name in ("steps", "batch", "block_size", "train_stride", "hidden", "layers", "heads", "passkey_trials",
-                 "heldout_sequences"):
+    for name in ("steps", "finetune_steps", "batch", "block_size", "train_stride", "hidden", "layers", "heads",
+                 "passkey_trials", "heldout_sequences"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if not 0.0 < args.passkey_fraction < 1.0:
@@ -153,7 +163,51 @@ def train_design(name: str, args, log: list[str]) -> dict:
             "answer_weight": args.passkey_answer_weight if weight is None else weight,
             "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
             "train_tokens": results["train_steps"] * args.batch * args.block_size,
-            "eval_bits_per_dim_at_L": results["eval_bits_per_dim"]}
+            "eval_bits_per_dim_at_L": results["eval_bits_per_dim"], "train_loss_by_step": loss_curve(folder)}
+
+
+def train_converted(name: str, args, log: list[str]) -> dict:
+    """Convert the trained source to a design and fine-tune it (or read the finished run) -> the run's record."""
+    design = CONVERSIONS[name]
+    family, settings, weight = DESIGNS[design]
+    start, folder = args.output_dir / "converted" / name, args.output_dir / name
+    convert = ["-m", "attnzoo.convert.attention", args.output_dir / "source", start, "--family", family,
+               "--model", *COMMON[family], *settings]
+    command = ["scripts/train_lm.py", "--model_name_or_path", start, "--block_size", args.block_size,
+               "--train_stride", args.train_stride, "--per_device_train_batch_size", args.batch,
+               "--passkey_fraction", args.passkey_fraction, "--passkey_min_distance", args.passkey_min_distance,
+               "--passkey_answer_weight", args.passkey_answer_weight if weight is None else weight,
+               "--max_train_steps", args.finetune_steps, "--learning_rate", args.finetune_learning_rate,
+               "--num_warmup_steps", max(1, args.finetune_steps // 20),
+               "--eval_steps", max(1, args.finetune_steps // 2), "--logging_steps", 50, "--sample_tokens", 0,
+               "--report_to", "jsonl", "--seed", args.seed, "--output_dir", folder]
+    recorded = records(args.output_dir, name, "command")
+    # the source's own run is part of what a converted model is made of: a retrained source redoes the conversion
+    wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(args.output_dir / "source")]
+    done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
+            and json.loads(recorded.read_text()) == wanted)
+    if not done:
+        if start.exists():  # an earlier conversion (of another source or settings): the benchmark's own folder
+            shutil.rmtree(start)
+        if folder.exists():
+            command.append("--overwrite_output_dir")
+    run(convert, log, execute=not done)
+    run(command, log, execute=not done)
+    recorded.write_text(json.dumps(wanted))
+    results = json.loads((folder / "all_results.json").read_text())
+    return {"folder": relative(folder), "family": family, "settings": settings, "converted_from": "source",
+            "answer_weight": args.passkey_answer_weight if weight is None else weight,
+            "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
+            "train_tokens": results["train_steps"] * args.batch * args.block_size,
+            "eval_bits_per_dim_at_L": results["eval_bits_per_dim"], "train_loss_by_step": loss_curve(folder)}
+
+
+def loss_curve(folder: Path, every: int = 100) -> list[list[float]]:
+    """[step, training loss] every `every` steps of a run's log: learning to retrieve shows as a drop of the loss
+    (the weighted answers carry much of it), and when in the run it came."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [[row["step"], round(row["train_loss"], 4)] for row in rows
+            if "train_loss" in row and row["step"] % every == 0]
 
 
 # -- evaluation -------------------------------------------------------------------------------------------------
@@ -331,8 +385,11 @@ def table(report: dict) -> str:
                      f"{'-' if state is None else f'{state:.2f}x'} |")
     goal = report["summary"]["meets_goal"]
     lines.append("")
+    converted = [name for name in report["models"] if name in CONVERSIONS]
+    tuned = (f" (`*_converted`: the source's weights in the design, then {setup.get('finetune_steps')} fine-tuning "
+             "steps)" if converted else "")
     lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
-                 f"each; the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the "
+                 f"each{tuned}; the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the "
                  f"source's KV cache) is met by: {', '.join(goal) if goal else 'none yet'}. "
                  "From `benchmarks/results/long_context.json`.")
     return "\n".join(lines)
@@ -351,7 +408,13 @@ def plot(report: dict, path: Path) -> None:
 
     setup = report["setup"]
     multiples = setup["length_multiples"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right, curves) = plt.subplots(1, 3, figsize=(18, 4.8))
+    for name, model in report["models"].items():
+        if model.get("train_loss_by_step"):
+            steps, losses = zip(*model["train_loss_by_step"], strict=True)
+            curves.plot(steps, losses, label=name)
+    curves.set_xlabel("training step (converted: fine-tuning step)")
+    curves.set_title("training loss (weighted passkey answers)")
     for name, row in report["summary"]["rows"].items():
         left.plot(multiples, [row["passkey"][str(setup["block_size"] * m)] for m in multiples], marker="o", label=name)
         model = report["models"][name]
@@ -365,9 +428,10 @@ def plot(report: dict, path: Path) -> None:
     right.set_xscale("log", base=2)
     right.set_xlabel("position bucket end (x L)")
     right.set_title("held-out bits/dim by position")
-    for ax in (left, right):
+    for ax in (left, right, curves):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a run shorter than the logging interval has no curve
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -384,10 +448,11 @@ def main(argv=None) -> dict:
     log: list[str] = []
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
              if k not in ("retrain", "readme_only", "results", "models")}
-    report = {"setup": setup, "designs": {n: DESIGNS[n][:2] for n in names}, "models": {}, "commands": log}
+    report = {"setup": setup, "designs": {n: DESIGNS[CONVERSIONS.get(n, n)][:2] for n in names}, "models": {},
+              "commands": log}
     for name in names:
-        report["models"][name] = {**train_design(name, args, log),
-                                  **evaluate_design(name, args.output_dir / name, args)}
+        trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
+        report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args)}
         if name == "source":
             for scaled, rule in ROPE_SCALING.items():
                 report["models"][scaled] = {"folder": report["models"]["source"]["folder"],

@@ -101,19 +101,27 @@ def test_bad_arguments_say_what_to_change(flag, value, message):
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())
-    argv = ["--models", "source", "window", "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
+    argv = ["--models", "source", "window", "window_converted", "--finetune_steps", "2", "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
             "--layers", "2", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
             "--passkey_trials", "1", "--heldout_sequences", "1", "--passkey_min_distance", "0",
             "--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
     report = bench.main(argv)
-    assert set(report["models"]) == {"source", "source_linear", "window"}
+    assert set(report["models"]) == {"source", "source_linear", "window", "window_converted"}
+    converted = report["models"]["window_converted"]
+    assert converted["converted_from"] == "source" and converted["train_steps"] == 2
+    assert converted["family"] == "window" and len(converted["train_loss_by_step"]) == 0  # logged every 100 steps
     window = report["models"]["window"]
     assert set(window["passkey"]) == {"128", "256"} and set(window["bits_per_dim_by_position"]) == {"0-1x", "1-2x"}
     assert window["state_bytes"]["256"] < report["models"]["source"]["state_bytes"]["256"]  # a window, not a cache
     assert (tmp_path / "lc.png").is_file()
-    stamps = {name: (tmp_path / "runs" / name / "model.safetensors").stat().st_mtime for name in ("source", "window")}
+    stamps = {name: (tmp_path / "runs" / name / "model.safetensors").stat().st_mtime
+              for name in ("source", "window", "window_converted")}
     again = bench.main(argv)  # every run and evaluation is read back, not redone
     assert again["commands"] == report["commands"] and again["models"]["window"] == window
     assert all((tmp_path / "runs" / n / "model.safetensors").stat().st_mtime == t for n, t in stamps.items())
     changed = bench.main([*argv[:argv.index("--steps") + 1], "4", *argv[argv.index("--steps") + 2:]])
     assert changed["models"]["window"]["train_steps"] == 4  # other settings retrain, in the same folder
+    # a retrained source is converted and fine-tuned again
+    tuned = tmp_path / "runs" / "window_converted" / "model.safetensors"
+    assert tuned.stat().st_mtime > stamps["window_converted"]
+    assert changed["models"]["window_converted"]["train_steps"] == 2

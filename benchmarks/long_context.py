@@ -23,7 +23,9 @@ eighth of the training length, so retrieval during training must go through each
   a user with a pretrained rotary model does, starting from a model that already retrieves at 1x.
 
 Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
-distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds),
+distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds; 40
+prompts a length, each with its own key and its own cut of the repeated filler, since a model can depend on where
+the filler is cut around the key line: with one cut per depth the iRoPE hybrid read 0 of 20 at 1,024 tokens),
 held-out bits/dim by position bucket (does the loss blow up past the training length?), and the decoding state's
 bytes after a prefill of each length against the source's KV cache. The goal (issue 36): some design keeps >= 90%
 passkey accuracy at 4x and >= 50% at 16x, with bits/dim at 4x within 0.05 of 1x and a state no larger than the
@@ -49,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
 
 from harness import cache_state_bytes, write_between_markers  # noqa: E402
 from uptraining import ROOT, relative, run  # noqa: E402
+
+from attnzoo.evaluation.passkey import FILLERS  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 #: the files that show the table (between the markers)
@@ -84,8 +88,8 @@ CONVERSIONS = {f"{design}_converted": design for design in ("window", "irope_sof
 COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
           "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
 #: the arguments an evaluation depends on (a cached one is reused only if they match)
-EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "passkey_trials", "heldout_sequences",
-                       "seed")
+EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "passkey_trials", "passkey_filler",
+                       "heldout_sequences", "seed")
 #: rope scaling at inference (the source's weights): name -> (rope_scaling for a prompt of m training lengths)
 #: (dynamic NTK and YaRN change the angles with the length; attnzoo refuses them: docs/llama_backbones.md)
 ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)}}
@@ -109,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey_min_distance", type=int, default=36, help="the window + sinks")
     p.add_argument("--length_multiples", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--passkey_depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--passkey_trials", type=int, default=4, help="keys per length and depth")
+    p.add_argument("--passkey_trials", type=int, default=8, help="prompts per length and depth")
+    p.add_argument("--passkey_filler", default="repeat_shifted", choices=FILLERS,
+                   help="repeat_shifted: each prompt's repeated filler starts at its own token, so that the prompts "
+                        "of one cell are cut differently around the key line, not only keyed differently")
     p.add_argument("--heldout_sequences", type=int, default=4, help="held-out sequences of the longest length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/long_context"))
@@ -227,7 +234,7 @@ def passkey_by_length(model, tokenizer, args, lengths: list[int]) -> dict:
     from attnzoo.evaluation.passkey import passkey_accuracy
 
     found = passkey_accuracy(model, tokenizer, lengths, args.passkey_depths, trials=args.passkey_trials,
-                             seed=args.seed + 1, batch_size=4, task_description=False)
+                             seed=args.seed + 1, batch_size=4, task_description=False, filler=args.passkey_filler)
     cells = [{"length": c["length"], "depth": c["depth"], "accuracy": c["accuracy"],
               "distance": None if c["key_position"] is None else c["length"] - c["key_position"]}
              for c in found["cells"]]

@@ -48,7 +48,11 @@ ANSWER = " {key}"
 #: the key (Landmark's score reads the first run of digits; a model trained on sequences ending at the key's last
 #: digit goes on with more digits: one retrieved 65019 and wrote 6501991)
 TRAINING_ANSWER_END = "."
-FILLERS = ("repeat", "corpus")
+#: "repeat": filler_text over and over from its start; "repeat_shifted": the same, from a token of filler_text drawn
+#: for each prompt, so that prompts of one length and depth differ in where the filler is cut around the key line and
+#: the question, not only in the key (a model can depend on that cut: one scored 0 of 20 at 1,024 tokens and 20 of 20
+#: at 1,152); "corpus": prose sentences of the default corpus drawn for each prompt
+FILLERS = ("repeat", "repeat_shifted", "corpus")
 #: how the generated continuation is scored (Landmark Attention's rule)
 SCORING = "correct when the first run of digits in the greedy continuation equals the pass key"
 #: tokens generated beyond the answer's own length: room for a tokenizer that splits the digits differently
@@ -114,11 +118,12 @@ def corpus_sentences() -> tuple[str, ...]:
 def _filler_ids(tokenizer, count: int, filler: str, filler_text: str, rng: random.Random) -> list[int]:
     if count <= 0:
         return []
-    if filler == "repeat":
+    if filler in ("repeat", "repeat_shifted"):
         unit = _encode(tokenizer, filler_text + " ")
         if not unit:
             raise ValueError("filler_text encodes to no tokens; pass some text to repeat.")
-        return (unit * (count // len(unit) + 1))[:count]
+        start = rng.randrange(len(unit)) if filler == "repeat_shifted" else 0
+        return (unit * (count // len(unit) + 2))[start:start + count]
     sentences, ids = corpus_sentences(), []
     while len(ids) < count:  # one sentence at a time: a long text would trip the tokenizer's max-length warning
         ids += _encode(tokenizer, rng.choice(sentences) + " ")
@@ -142,8 +147,8 @@ def _check_depth(depth: float, name: str = "depth") -> float:
 
 def _check_filler(filler: str) -> None:
     if filler not in FILLERS:
-        raise ValueError(f"filler={filler!r}; pass one of {FILLERS} ('repeat' repeats filler_text, 'corpus' draws "
-                         "sentences of the default corpus).")
+        raise ValueError(f"filler={filler!r}; pass one of {FILLERS} ('repeat' repeats filler_text, 'repeat_shifted' "
+                         "repeats it from a random token, 'corpus' draws sentences of the default corpus).")
 
 
 def _description(tokenizer) -> list[int]:
@@ -161,7 +166,8 @@ def passkey_prompt(tokenizer, length: int, depth: float, seed: int | random.Rand
                    task_description: bool = True) -> PasskeyPrompt:
     """A prompt of exactly `length` tokens of `tokenizer` with the key line at `depth` (see the module docstring).
     The key is `passkey` or `digits` random digits (first one not 0) drawn from `seed` (an int, or a
-    `random.Random` to draw from); `filler="corpus"` draws the filler from the default corpus with the same seed.
+    `random.Random` to draw from); `filler="corpus"` draws the filler from the default corpus with the same seed, and
+    `filler="repeat_shifted"` where in filler_text the repeated filler starts.
     Raises ValueError when `length` cannot hold the fixed pieces, naming the minimum."""
     depth = _check_depth(depth)
     _check_filler(filler)
@@ -301,7 +307,7 @@ def passkey_accuracy(model, tokenizer, lengths: Sequence[int], depths: Sequence[
     `model.generate` (`max_new_tokens` = the answer's length + `extra_new_tokens`) scored by `is_correct`.
 
     Prompts are batched `batch_size` at a time across the depths of one length, left-padded (the tokenizer's pad
-    token, else its eos). Trial t of every cell uses the same key (and corpus filler), drawn from
+    token, else its eos). Trial t of every cell uses the same key (and corpus filler or filler shift), drawn from
     `random.Random(f"{seed}:{t}")`, so cells differ only in length and depth.
 
     How far it goes (lengths run shortest first):

@@ -101,7 +101,8 @@ def test_bad_arguments_say_what_to_change(flag, value, message):
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())
-    argv = ["--models", "source", "window", "window_converted", "--finetune_steps", "2", "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
+    argv = ["--models", "source", "window", "window_converted", "--finetune_steps", "2",
+            "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
             "--layers", "2", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
             "--passkey_trials", "1", "--heldout_sequences", "1", "--passkey_min_distance", "0",
             "--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]

@@ -120,6 +120,29 @@ def test_prompt_options_corpus_filler_and_no_task_description():
     assert pk.passkey_prompt(TOKENIZER, 300, 0.5, rng).passkey != pk.passkey_prompt(TOKENIZER, 300, 0.5, rng).passkey
 
 
+def test_shifted_filler_starts_the_repetition_at_a_drawn_token():
+    """`repeat_shifted`: the repeated sentence from a token drawn per prompt, so that prompts of one length and
+    depth are cut differently around the key line; `repeat` is unchanged (always from the sentence's start)."""
+    unit = TOKENIZER.encode(pk.DEFAULT_FILLER + " ", add_special_tokens=False)
+    plain = pk.passkey_prompt(TOKENIZER, 600, 0.5, seed=3, task_description=False)
+    filler = plain.input_ids[:plain.key_position]
+    assert filler == (unit * 10)[:len(filler)]
+    starts = set()
+    for seed in range(12):
+        shifted = pk.passkey_prompt(TOKENIZER, 600, 0.5, seed=seed, filler="repeat_shifted", task_description=False)
+        again = pk.passkey_prompt(TOKENIZER, 600, 0.5, seed=seed, filler="repeat_shifted", task_description=False)
+        assert shifted == again and len(shifted.input_ids) == 600
+        assert shifted.passkey == pk.passkey_prompt(TOKENIZER, 600, 0.5, seed=seed, task_description=False).passkey
+        before = shifted.input_ids[:shifted.key_position]
+        start = next(i for i in range(len(unit)) if (unit * 12)[i:i + len(before)] == before)
+        after = shifted.input_ids[shifted.key_end:-len(pk._encode(TOKENIZER, "\n" + pk.QUESTION))]
+        assert (unit * 12)[start + len(before):start + len(before) + len(after)] == after  # one repetition, cut
+        starts.add(start)
+    assert len(starts) > 6
+    with pytest.raises(ValueError, match="repeat_shifted"):
+        pk.passkey_prompt(TOKENIZER, 600, 0.5, filler="shifted")
+
+
 def bpe_tokenizer():
     """A small BPE tokenizer (several bytes per token) that starts every text with <s>, as Llama's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

@@ -116,3 +116,20 @@ def test_the_tasks_can_leave_out_the_task_description_as_training_sequences_do(s
         assert len(context) - context.index(f"\nThe pass key is {document['passkey']}") == distance
     with pytest.raises(ValueError, match="task_description='no' in --metadata"):
         passkey_documents(pretrained=str(folder), task_description="no")
+
+
+def test_the_tasks_take_the_filler_passkey_accuracy_takes(saved_model):
+    from attnzoo.evaluation.tasks.passkey.passkey_tasks import passkey_distance_documents, passkey_documents
+
+    folder, tokenizer = saved_model
+    shifted = passkey_documents(pretrained=str(folder), max_seq_lengths=[300], depths=[0.5], trials=3,
+                                filler="repeat_shifted")["test"]
+    for trial, document in enumerate(shifted):
+        prompt = passkey_prompt(tokenizer, 300, 0.5, random.Random(f"0:{trial}"), filler="repeat_shifted")
+        assert tokenizer(document["context"])["input_ids"] == prompt.input_ids
+    assert len({document["context"][:200] for document in shifted}) == 3  # each trial cut elsewhere
+    far = passkey_distance_documents(pretrained=str(folder), max_seq_lengths=[300], distances=[100], trials=2,
+                                     filler="repeat_shifted")["test"]
+    assert far[0]["context"][:150] != far[1]["context"][:150] and far[0]["distance"] == 100
+    with pytest.raises(ValueError, match="filler='shifted' in --metadata"):
+        passkey_documents(pretrained=str(folder), filler="shifted")

@@ -49,15 +49,27 @@ def _task_description(kwargs: dict) -> bool:
     return value
 
 
+def _filler(kwargs: dict) -> str:
+    """`filler` (default "repeat"): one of `attnzoo.evaluation.passkey.FILLERS`, as `passkey_accuracy` takes it."""
+    from attnzoo.evaluation.passkey import FILLERS
+
+    value = kwargs.get("filler", "repeat")
+    if value not in FILLERS:
+        raise ValueError(f"filler={value!r} in --metadata: pass one of {list(FILLERS)}.")
+    return value
+
+
 def passkey_documents(**kwargs):
     """Prompts of every (length, depth) cell, `trials` each: `max_seq_lengths`, `depths`, `trials`, `seed`,
-    `task_description`."""
+    `task_description`, `filler`."""
     from attnzoo.evaluation.passkey import passkey_prompt
 
     tokenizer = _tokenizer(kwargs)
     trials, seed, described = int(kwargs.get("trials", 5)), kwargs.get("seed", 0), _task_description(kwargs)
+    filler = _filler(kwargs)
     return _dataset([_row(tokenizer, passkey_prompt(tokenizer, int(length), float(depth),
-                                                    random.Random(f"{seed}:{t}"), task_description=described),
+                                                    random.Random(f"{seed}:{t}"), task_description=described,
+                                                    filler=filler),
                           int(length))
                      for length in kwargs.get("max_seq_lengths", DEFAULT_LENGTHS)
                      for depth in kwargs.get("depths", DEFAULT_DEPTHS) for t in range(trials)])
@@ -66,12 +78,12 @@ def passkey_documents(**kwargs):
 def passkey_distance_documents(**kwargs):
     """Prompts whose key line starts `distances` tokens before the end of the prompt, for every length of
     `max_seq_lengths` that holds them: the depth is chosen to put the key there (to the token where the filler
-    allows it); also `task_description`."""
+    allows it); also `task_description` and `filler`."""
     from attnzoo.evaluation.passkey import minimum_length, passkey_prompt
 
     tokenizer = _tokenizer(kwargs)
     trials, seed, described = int(kwargs.get("trials", 5)), kwargs.get("seed", 0), _task_description(kwargs)
-    shortest = minimum_length(tokenizer, task_description=described)
+    shortest, filler_kind = minimum_length(tokenizer, task_description=described), _filler(kwargs)
     rows = []
     for length in map(int, kwargs.get("max_seq_lengths", DEFAULT_LENGTHS)):
         filler = length - shortest
@@ -84,7 +96,7 @@ def passkey_distance_documents(**kwargs):
                                  f"{shortest - _head_length(tokenizer, described) + max(filler, 0)}.")
             depth = 1.0 - after / filler
             rows += [_row(tokenizer, passkey_prompt(tokenizer, length, depth, random.Random(f"{seed}:{t}"),
-                                                    task_description=described), length)
+                                                    task_description=described, filler=filler_kind), length)
                      for t in range(trials)]
     return _dataset(rows)
 

@@ -40,7 +40,17 @@ sys.path.insert(0, str(Path(__file__).parent))  # the uptraining benchmarks' run
 
 from harness import cache_state_bytes, write_between_markers  # noqa: E402
 from llama_uptraining import has_own_parameters, save_llama_source_init  # noqa: E402
-from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, train  # noqa: E402
+from uptraining import (  # noqa: E402
+    FINETUNE_RECIPE,
+    RECOVERY_METRICS,
+    ROOT,
+    lm_eval,
+    read_run,
+    recovery,
+    relative,
+    run,
+    train,
+)
 
 RESULTS = Path(__file__).parent / "results"
 README = ROOT / "README.md"
@@ -156,20 +166,6 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def lm_eval(folder: Path, out: Path, args, log: list[str]) -> dict[str, float]:
-    """attnzoo's local lm-eval tasks through scripts/evaluate.py (the model card gets the figures): {task/metric:
-    value}."""
-    result_file = out / "lm_eval.json"
-    # The byte-level models trained on raw bytes and never saw the tokenizer's special tokens, whose embeddings are
-    # still their initial draws: rolling log-likelihoods start after a newline (the start of a paragraph), not
-    # after lm-eval's default prefix, the BOS token. The same for every model, the source included.
-    run(["scripts/evaluate.py", "--model_name_or_path", folder, "--lm_eval_tasks", "attnzoo_pydoc",
-         "--lm_eval_limit", args.lm_eval_limit, "--lm_eval_model_args", f"prefix_token_id={NEWLINE}",
-         "--output_file", result_file], log, not result_file.is_file())
-    rows = json.loads(result_file.read_text())["lm_eval"]
-    return {f"{r['task'].removeprefix('attnzoo_pydoc_')}/{r['metric']}": r["value"] for r in rows}
-
-
 def bits_per_dim(folder: Path, out: Path, args, log: list[str]) -> float:
     result_file = out / "evaluation.json"
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--block_size", args.block_size,
@@ -177,25 +173,6 @@ def bits_per_dim(folder: Path, out: Path, args, log: list[str]) -> float:
     return json.loads(result_file.read_text())["bits_per_dim"]
 
 
-NEWLINE = 10  # the byte-level tokenizer's id of "\n"
-#: the lm-eval figures the recovery average is taken over: (key, higher is better)
-RECOVERY_METRICS = (("endings/acc_norm", True), ("next_word/exact_match", True), ("perplexity/bits_per_byte", False))
-
-
-def recovery(scores: dict[str, float], source: dict[str, float]) -> dict:
-    """Each lm-eval figure as a ratio to the source's (source / model where lower is better, so 1 = as good as the
-    source, above 1 = better), and their average. A figure the source scores 0 on has no ratio: it is listed under
-    "undefined" and left out of the average."""
-    ratios, undefined = {}, []
-    for key, higher in RECOVERY_METRICS:
-        model_value, source_value = scores[key], source[key]
-        if not source_value:
-            undefined.append(key)
-        elif higher:
-            ratios[key] = model_value / source_value
-        else:
-            ratios[key] = source_value / model_value if model_value else float("inf")
-    return {**ratios, "average": sum(ratios.values()) / len(ratios) if ratios else None, "undefined": undefined}
 
 
 def measure(folder: Path, args, log: list[str]) -> dict:

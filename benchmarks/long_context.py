@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
 
 from harness import cache_state_bytes, write_between_markers  # noqa: E402
-from uptraining import ROOT, relative, run  # noqa: E402
+from uptraining import ROOT, lm_eval, recovery, relative, run  # noqa: E402
 
 from attnzoo.evaluation.passkey import FILLERS  # noqa: E402
 
@@ -89,7 +89,7 @@ COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
           "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
 #: the arguments an evaluation depends on (a cached one is reused only if they match)
 EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "passkey_trials", "passkey_filler",
-                       "heldout_sequences", "seed")
+                       "heldout_sequences", "lm_eval_limit", "seed")
 #: rope scaling at inference (the source's weights): name -> (rope_scaling for a prompt of m training lengths)
 #: (dynamic NTK and YaRN change the angles with the length; attnzoo refuses them: docs/llama_backbones.md)
 ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)}}
@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="repeat_shifted: each prompt's repeated filler starts at its own token, so that the prompts "
                         "of one cell are cut differently around the key line, not only keyed differently")
     p.add_argument("--heldout_sequences", type=int, default=4, help="held-out sequences of the longest length")
+    p.add_argument("--lm_eval_limit", type=int, default=200, help="documents per local lm-eval task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/long_context"))
     p.add_argument("--results", type=Path, default=RESULTS / "long_context.json")
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(args) -> None:
     for name in ("steps", "finetune_steps", "batch", "block_size", "train_stride", "hidden", "layers", "heads",
-                 "passkey_trials", "heldout_sequences"):
+                 "passkey_trials", "heldout_sequences", "lm_eval_limit"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if not 0.0 < args.passkey_fraction < 1.0:
@@ -295,24 +296,29 @@ def state_bytes(model, lengths: list[int], seed: int) -> dict:
     return sizes
 
 
-def evaluate_design(name: str, folder: Path, args, rope_scaling=None) -> dict:
-    """Every figure of one model (cached in its folder as long_context_eval.json)."""
+def evaluate_design(name: str, folder: Path, args, log: list[str], rope_scaling=None) -> dict:
+    """Every figure of one model (cached in output_dir/records as NAME_evaluation.json)."""
     cache = records(folder.parent, name, "evaluation")
     settings = {name: getattr(args, name) for name in EVALUATION_SETTINGS}
     if cache.is_file() and not args.retrain:
         cached = json.loads(cache.read_text())
         if cached.get("settings") == settings and cached.get("trained") == _run_stamp(folder):
+            log.extend(cached.get("commands", []))  # the report lists every command, reused or run
             return cached
-    started = time.time()
+    started, first_command = time.time(), len(log)
     lengths = [args.block_size * m for m in sorted(args.length_multiples)]
     if rope_scaling is None:
         model, tokenizer = load(folder)
         passkey = passkey_by_length(model, tokenizer, args, lengths)
         heldout = heldout_by_position(model, args, lengths[-1])
         states = state_bytes(model, lengths, args.seed)
+        # lm-eval at the training length: attnzoo's local tasks (the ones conversion_recovery.py reports)
+        scores_folder = args.output_dir / "lm_eval" / name
+        shutil.rmtree(scores_folder, ignore_errors=True)  # the benchmark's own figures of an earlier model
+        scores = lm_eval(folder, scores_folder, args, log)
     else:  # each length with the scaling its own length calls for
         passkey = {"accuracy": {}, "cells": [], "samples": []}
-        heldout, states = {}, None
+        heldout, states, scores = {}, None, None  # lm-eval at 1x: the source's own (a factor-1 scaling)
         for m in sorted(args.length_multiples):
             model, tokenizer = load(folder, rope_scaling(m))
             found = passkey_by_length(model, tokenizer, args, [args.block_size * m])
@@ -321,9 +327,9 @@ def evaluate_design(name: str, folder: Path, args, rope_scaling=None) -> dict:
             heldout[f"{m}x"] = heldout_by_position(model, args, lengths[-1], args.block_size * m)
     result = {"passkey": passkey["accuracy"], "cells": passkey["cells"], "samples": passkey["samples"],
               "passkey_by_distance": distance_buckets(passkey["cells"], args.block_size, args.length_multiples),
-              "bits_per_dim_by_position": heldout, "state_bytes": states,
+              "bits_per_dim_by_position": heldout, "state_bytes": states, "lm_eval": scores,
               "eval_seconds": round(time.time() - started, 1), "settings": settings,
-              "trained": _run_stamp(folder)}
+              "trained": _run_stamp(folder), "commands": log[first_command:]}
     cache.write_text(json.dumps(result, indent=1))
     return result
 
@@ -343,11 +349,13 @@ def records(output_dir: Path, name: str, kind: str) -> Path:
 
 # -- report -----------------------------------------------------------------------------------------------------
 def summarise(report: dict) -> dict:
-    """Per model: passkey at each multiple, bits/dim growth from 1x to 4x, state over the source's KV cache; and
-    whether any model meets the goal."""
+    """Per model: passkey at each multiple, bits/dim growth from 1x to 4x, state over the source's KV cache, lm-eval
+    recovery at 1x (the mean ratio to the source's scores, as conversion_recovery.py reports it); and whether any
+    model meets the goal (a figure not measured does not meet its part)."""
     setup = report["setup"]
     lengths = [str(setup["block_size"] * m) for m in setup["length_multiples"]]
     kv = report["models"].get("source", {}).get("state_bytes") or {}
+    source_scores = report["models"].get("source", {}).get("lm_eval")
     rows = {}
     for name, model in report["models"].items():
         positions = model["bits_per_dim_by_position"]
@@ -355,19 +363,25 @@ def summarise(report: dict) -> dict:
             first, at4 = _ending_at(positions.get("1x") or {}, 1), _ending_at(positions.get("4x") or {}, 4)
         else:
             first, at4 = _ending_at(positions, 1), _ending_at(positions, 4)
-        states = model.get("state_bytes")
-        rows[name] = {"passkey": {n: model["passkey"].get(n) for n in lengths},
+        states, scores = model.get("state_bytes"), model.get("lm_eval")
+        rows[name] = {"lm_eval_recovery": recovery(scores, source_scores)["average"] if scores and source_scores
+                      else None,"passkey": {n: model["passkey"].get(n) for n in lengths},
                       "bits_per_dim_1x": first, "bits_per_dim_4x": at4,
                       "bits_per_dim_growth_4x": None if first is None or at4 is None else at4 - first,
                       "state_over_source_kv": {n: states[n] / kv[n] for n in lengths if n in states and n in kv}
                       if states else None}
     four, sixteen = str(4 * setup["block_size"]), str(16 * setup["block_size"])
 
+    # the issue asks for window + sinks of the same state; the benchmark has the 32 + 4 window, whose state is
+    # smaller than any far part's: a lower bar (docs/long_context.md)
+    floor = rows.get("window", {}).get("lm_eval_recovery")
+
     def meets(row):
         state = row["state_over_source_kv"] or {}
         return ((row["passkey"].get(four) or 0) >= 0.9 and (row["passkey"].get(sixteen) or 0) >= 0.5
                 and row["bits_per_dim_growth_4x"] is not None and row["bits_per_dim_growth_4x"] <= 0.05
-                and bool(state) and max(state.values()) <= 1.0)
+                and bool(state) and max(state.values()) <= 1.0
+                and None not in (floor, row["lm_eval_recovery"]) and row["lm_eval_recovery"] >= floor)
 
     return {"rows": rows, "meets_goal": [name for name, row in rows.items() if meets(row)]}
 
@@ -381,23 +395,24 @@ def table(report: dict) -> str:
     setup = report["setup"]
     multiples = setup["length_multiples"]
     head = " | ".join(f"passkey {m}x" for m in multiples)
-    lines = [f"| model | {head} | bits/dim 1x | bits/dim 4x | state at 16x / source KV |",
-             "|---|" + "---|" * (len(multiples) + 3)]
+    lines = [f"| model | {head} | bits/dim 1x | bits/dim 4x | state at 16x / source KV | lm-eval recovery 1x |",
+             "|---|" + "---|" * (len(multiples) + 4)]
     for name, row in report["summary"]["rows"].items():
         cells = " | ".join("-" if row["passkey"][str(setup["block_size"] * m)] is None
                            else f"{row['passkey'][str(setup['block_size'] * m)]:.0%}" for m in multiples)
         state = (row["state_over_source_kv"] or {}).get(str(setup["block_size"] * max(multiples)))
         fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
         lines.append(f"| {name} | {cells} | {fmt(row['bits_per_dim_1x'])} | {fmt(row['bits_per_dim_4x'])} | "
-                     f"{'-' if state is None else f'{state:.2f}x'} |")
+                     f"{'-' if state is None else f'{state:.2f}x'} | {fmt(row.get('lm_eval_recovery'))} |")
     goal = report["summary"]["meets_goal"]
     lines.append("")
     converted = [name for name in report["models"] if name in CONVERSIONS]
     tuned = (f" (`*_converted`: the source's weights in the design, then {setup.get('finetune_steps')} fine-tuning "
              "steps)" if converted else "")
     lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
-                 f"each{tuned}; the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the "
-                 f"source's KV cache) is met by: {', '.join(goal) if goal else 'none yet'}. "
+                 f"each{tuned}; lm-eval recovery: the mean ratio to the source's scores on attnzoo's local tasks; "
+                 "the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the source's KV "
+                 f"cache, lm-eval recovery >= window's) is met by: {', '.join(goal) if goal else 'none yet'}. "
                  "From `benchmarks/results/long_context.json`.")
     return "\n".join(lines)
 
@@ -459,12 +474,12 @@ def main(argv=None) -> dict:
               "commands": log}
     for name in names:
         trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
-        report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args)}
+        report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args, log)}
         if name == "source":
             for scaled, rule in ROPE_SCALING.items():
                 report["models"][scaled] = {"folder": report["models"]["source"]["folder"],
                                             "rope_scaling": rule(4),
-                                            **evaluate_design(scaled, args.output_dir / "source", args, rule)}
+                                            **evaluate_design(scaled, args.output_dir / "source", args, log, rule)}
         report["summary"] = summarise(report)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(report, indent=1))  # after every model: a stopped run keeps the rest

@@ -235,5 +235,41 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+
+# -- lm-eval on attnzoo's local tasks, shared with conversion_recovery.py and long_context.py ------------------
+NEWLINE = 10  # the byte-level tokenizer's id of "\n"
+#: the lm-eval figures the recovery average is taken over: (key, higher is better)
+RECOVERY_METRICS = (("endings/acc_norm", True), ("next_word/exact_match", True), ("perplexity/bits_per_byte", False))
+
+
+def recovery(scores: dict[str, float], source: dict[str, float]) -> dict:
+    """Each lm-eval figure as a ratio to the source's (source / model where lower is better, so 1 = as good as the
+    source, above 1 = better), and their average. A figure the source scores 0 on has no ratio: it is listed under
+    "undefined" and left out of the average."""
+    ratios, undefined = {}, []
+    for key, higher in RECOVERY_METRICS:
+        model_value, source_value = scores[key], source[key]
+        if not source_value:
+            undefined.append(key)
+        elif higher:
+            ratios[key] = model_value / source_value
+        else:
+            ratios[key] = source_value / model_value if model_value else float("inf")
+    return {**ratios, "average": sum(ratios.values()) / len(ratios) if ratios else None, "undefined": undefined}
+
+
+def lm_eval(folder: Path, out: Path, args, log: list[str]) -> dict[str, float]:
+    """attnzoo's local lm-eval tasks through scripts/evaluate.py (the model card gets the figures): {task/metric:
+    value}."""
+    result_file = out / "lm_eval.json"
+    # The byte-level models trained on raw bytes and never saw the tokenizer's special tokens, whose embeddings are
+    # still their initial draws: rolling log-likelihoods start after a newline (the start of a paragraph), not
+    # after lm-eval's default prefix, the BOS token. The same for every model, the source included.
+    run(["scripts/evaluate.py", "--model_name_or_path", folder, "--lm_eval_tasks", "attnzoo_pydoc",
+         "--lm_eval_limit", args.lm_eval_limit, "--lm_eval_model_args", f"prefix_token_id={NEWLINE}",
+         "--output_file", result_file], log, not result_file.is_file())
+    rows = json.loads(result_file.read_text())["lm_eval"]
+    return {f"{r['task'].removeprefix('attnzoo_pydoc_')}/{r['metric']}": r["value"] for r in rows}
+
 if __name__ == "__main__":
     main()

@@ -20,7 +20,9 @@ eighth of the training length, so retrieval during training must go through each
 - `source_unweighted`: the source trained with an answer weight of 1, to show what the weight does;
 - `*_converted`: the trained source converted to a design (`python -m attnzoo.convert.attention`: its weights, the
   design's attention) and fine-tuned on the same data for --finetune_steps (a quarter of the budget by default): what
-  a user with a pretrained rotary model does, starting from a model that already retrieves at 1x.
+  a user with a pretrained rotary model does, starting from a model that already retrieves at 1x;
+- `irope_lsh_from_irope_softmax`: the trained iRoPE softmax hybrid with its global layer made LSH, fine-tuned the
+  same way (dense training teaches the global layer its q.k matches; LSH then only has to find them).
 
 Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
 distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds; 40
@@ -80,10 +82,15 @@ DESIGNS = {
                              *IROPE], None),
     "source_unweighted": ("softmax", [], 1.0),
 }
-#: the trained source converted to a design (`python -m attnzoo.convert.attention`: the same weights, the design's
-#: attention), then fine-tuned on the same data for --finetune_steps: name -> the design
-CONVERSIONS = {f"{design}_converted": design for design in ("window", "irope_softmax", "irope_lsh",
-                                                             "lsh_window_none_log")}
+#: a trained model converted to a design (`python -m attnzoo.convert.attention`: the same weights, the design's
+#: attention), then fine-tuned on the same data for --finetune_steps: name -> (the trained model, the design). The
+#: source into four designs, as a user with a pretrained rotary model would; and the iRoPE hybrid trained with a dense
+#: global layer, whose global layer then becomes LSH (a far part that learned its q.k matches with every key in
+#: reach, then retrieves among its bucket's candidates only: LSH's gradient reaches a key only when it shares the
+#: query's bucket, which from scratch it rarely does)
+CONVERSIONS = {**{f"{design}_converted": ("source", design)
+                  for design in ("window", "irope_softmax", "irope_lsh", "lsh_window_none_log")},
+               "irope_lsh_from_irope_softmax": ("irope_softmax", "irope_lsh")}
 #: every model's common settings (the reformer family's defaults are reversible with axial positions: not these)
 COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
           "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
@@ -176,10 +183,10 @@ def train_design(name: str, args, log: list[str]) -> dict:
 
 def train_converted(name: str, args, log: list[str]) -> dict:
     """Convert the trained source to a design and fine-tune it (or read the finished run) -> the run's record."""
-    design = CONVERSIONS[name]
+    start_from, design = CONVERSIONS[name]
     family, settings, weight = DESIGNS[design]
     start, folder = args.output_dir / "converted" / name, args.output_dir / name
-    convert = ["-m", "attnzoo.convert.attention", args.output_dir / "source", start, "--family", family,
+    convert = ["-m", "attnzoo.convert.attention", args.output_dir / start_from, start, "--family", family,
                "--model", *COMMON[family], *settings]
     command = ["scripts/train_lm.py", "--model_name_or_path", start, "--block_size", args.block_size,
                "--train_stride", args.train_stride, "--per_device_train_batch_size", args.batch,
@@ -190,8 +197,8 @@ def train_converted(name: str, args, log: list[str]) -> dict:
                "--eval_steps", max(1, args.finetune_steps // 2), "--logging_steps", 50, "--sample_tokens", 0,
                "--report_to", "jsonl", "--seed", args.seed, "--output_dir", folder]
     recorded = records(args.output_dir, name, "command")
-    # the source's own run is part of what a converted model is made of: a retrained source redoes the conversion
-    wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(args.output_dir / "source")]
+    # the trained model's own run is part of what a converted model is made of: retraining it redoes the conversion
+    wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(args.output_dir / start_from)]
     done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
             and json.loads(recorded.read_text()) == wanted)
     if not done:
@@ -203,7 +210,7 @@ def train_converted(name: str, args, log: list[str]) -> dict:
     run(command, log, execute=not done)
     recorded.write_text(json.dumps(wanted))
     results = json.loads((folder / "all_results.json").read_text())
-    return {"folder": relative(folder), "family": family, "settings": settings, "converted_from": "source",
+    return {"folder": relative(folder), "family": family, "settings": settings, "converted_from": start_from,
             "answer_weight": args.passkey_answer_weight if weight is None else weight,
             "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
             "train_tokens": results["train_steps"] * args.batch * args.block_size,
@@ -407,8 +414,8 @@ def table(report: dict) -> str:
     goal = report["summary"]["meets_goal"]
     lines.append("")
     converted = [name for name in report["models"] if name in CONVERSIONS]
-    tuned = (f" (`*_converted`: the source's weights in the design, then {setup.get('finetune_steps')} fine-tuning "
-             "steps)" if converted else "")
+    tuned = (f" (`A_converted`: the source's weights in design A, `A_from_B`: trained model B's weights in design A; "
+             f"then {setup.get('finetune_steps')} fine-tuning steps)" if converted else "")
     lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
                  f"each{tuned}; lm-eval recovery: the mean ratio to the source's scores on attnzoo's local tasks; "
                  "the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the source's KV "
@@ -466,11 +473,15 @@ def main(argv=None) -> dict:
         write_tables(report)
         return report
     check_arguments(args)
-    names = ["source", *[n for n in args.models if n != "source"]]
+    names = ["source"]
+    for name in args.models:  # a conversion's trained model comes before it
+        start_from = CONVERSIONS[name][0] if name in CONVERSIONS else name
+        names += [n for n in dict.fromkeys((start_from, name)) if n not in names]
     log: list[str] = []
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
              if k not in ("retrain", "readme_only", "results", "models")}
-    report = {"setup": setup, "designs": {n: DESIGNS[CONVERSIONS.get(n, n)][:2] for n in names}, "models": {},
+    report = {"setup": setup, "designs": {n: DESIGNS[CONVERSIONS[n][1] if n in CONVERSIONS else n][:2]
+                                          for n in names}, "models": {},
               "commands": log}
     for name in names:
         trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)

@@ -155,7 +155,6 @@ def load_source(src: str):
     """The attnzoo model SRC holds, with the head its config names, in eval mode."""
     from transformers import AutoConfig
 
-    import attnzoo  # noqa: F401  (registers the families)
     from attnzoo.registration import AUTO_CLASS_BY_HEAD
     from attnzoo.training.model_source import reading_model_source
 

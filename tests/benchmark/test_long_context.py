@@ -68,6 +68,21 @@ def test_a_model_that_retrieves_at_4x_and_16x_with_a_small_state_meets_the_goal(
     assert bench.summarise(report)["meets_goal"] == []
 
 
+def test_retrieval_is_dated_by_the_loss_gap_to_the_window_floor():
+    floor = [[100, 0.9], [200, 0.8], [300, 0.78], [400, 0.77]]
+    report = fake_report()
+    report["models"]["window"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]), "train_loss_by_step": floor}
+    report["models"]["good"]["train_loss_by_step"] = [[100, 0.9], [200, 0.75], [300, 0.6], [400, 0.35]]
+    report["models"]["big"]["train_loss_by_step"] = [[100, 0.9], [200, 0.8], [300, 0.7], [400, 0.69]]  # 0.08 below
+    rows = bench.summarise(report)["rows"]
+    assert rows["good"]["learns_retrieval_at_step"] == 300  # 0.18 below the floor's 0.78; 0.05 at step 200
+    assert rows["big"]["learns_retrieval_at_step"] is None
+    assert "learns_retrieval_at_step" not in rows["window"] and "learns_retrieval_at_step" not in rows["source"]
+    report["summary"] = bench.summarise(report)
+    text = bench.table(report)
+    assert "| 300 |" in text and "| not in 10 |" in text
+
+
 def test_distance_buckets_group_cells_by_the_keys_distance():
     cells = [{"accuracy": 1.0, "distance": 100}, {"accuracy": 0.0, "distance": 200}, {"accuracy": 0.5,
                                                                                         "distance": 300},
@@ -89,7 +104,7 @@ def test_the_tables_are_written_from_the_results_file(tmp_path, monkeypatch):
     bench.main(["--readme_only", "--results", str(results)])
     for page in pages:
         text = page.read_text()
-        assert "old" not in text and "| good | 100% | 95% | 92% | 1.600 | 1.620 | 0.75x | - |" in text
+        assert "old" not in text and "| good | 100% | 95% | 92% | 1.600 | 1.620 | 0.75x | - | - |" in text
         assert text.startswith("before\n") and text.endswith("after\n")
     committed = ROOT / "benchmarks" / "results" / "long_context.json"
     if committed.is_file():  # the committed tables are the committed results, rendered

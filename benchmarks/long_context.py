@@ -22,7 +22,9 @@ eighth of the training length, so retrieval during training must go through each
   design's attention) and fine-tuned on the same data for --finetune_steps (a quarter of the budget by default): what
   a user with a pretrained rotary model does, starting from a model that already retrieves at 1x;
 - `irope_lsh_from_irope_softmax`: the trained iRoPE softmax hybrid with its global layer made LSH, fine-tuned the
-  same way (dense training teaches the global layer its q.k matches; LSH then only has to find them).
+  same way (dense training teaches the global layer its q.k matches; LSH then only has to find them);
+- `*_8_rounds`: an LSH model evaluated with 8 hash rounds and its buckets sized for the longest prompt
+  (`lsh_num_hashes_eval=8 max_position_embeddings=16L`, settings a user passes to `from_pretrained`).
 
 Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
 distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds; 40
@@ -103,11 +105,20 @@ EVALUATION_SETTINGS = ("block_size", "length_multiples", "passkey_depths", "pass
 #: rope scaling at inference (the source's weights): name -> (rope_scaling for a prompt of m training lengths)
 #: (dynamic NTK and YaRN change the angles with the length; attnzoo refuses them: docs/llama_backbones.md)
 ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": float(m)}}
+#: a trained model with other inference settings (saved as a model of its own): name -> (the trained model, the
+#: config settings from the benchmark's arguments). LSH's default bucket count is sized for max_position_embeddings
+#: (2 x it / chunk length, fixed per model so decoding hashes as the full forward): set to the longest prompt, a far
+#: key keeps a bucket of its own kind instead of one crowded by recent keys; and 8 hash rounds at evaluation find a
+#: query's match in more of them
+INFERENCE_VARIANTS = {f"{trained}_8_rounds": (trained, lambda args: {
+    "lsh_num_hashes_eval": 8, "max_position_embeddings": args.block_size * max(args.length_multiples)})
+    for trained in ("irope_lsh_from_irope_softmax", "irope_lsh_converted")}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=[*DESIGNS, *CONVERSIONS], choices=[*DESIGNS, *CONVERSIONS])
+    p.add_argument("--models", nargs="+", default=[*DESIGNS, *CONVERSIONS, *INFERENCE_VARIANTS],
+                   choices=[*DESIGNS, *CONVERSIONS, *INFERENCE_VARIANTS])
     p.add_argument("--steps", type=int, default=3000, help="training steps of every model")
     p.add_argument("--learning_rate", type=float, default=2e-3)
     p.add_argument("--finetune_steps", type=int, default=750, help="fine-tuning steps of each converted model")
@@ -227,6 +238,30 @@ def loss_curve(folder: Path, every: int = 100) -> list[list[float]]:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [[row["step"], round(row["train_loss"], 4)] for row in rows
             if "train_loss" in row and row["step"] % every == 0]
+
+
+def design_of(name: str) -> str:
+    while name not in DESIGNS:
+        name = CONVERSIONS[name][1] if name in CONVERSIONS else INFERENCE_VARIANTS[name][0]
+    return name
+
+
+def save_variant(name: str, args, log: list[str]) -> dict:
+    """A trained model with the variant's inference settings, saved as a model of its own (or read) -> its record."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trained, rule = INFERENCE_VARIANTS[name]
+    settings, source, folder = rule(args), args.output_dir / trained, args.output_dir / name
+    recorded = records(args.output_dir, name, "command")
+    wanted = {"from": _run_stamp(source), "settings": settings}
+    if args.retrain or not recorded.is_file() or json.loads(recorded.read_text()) != wanted:
+        shutil.rmtree(folder, ignore_errors=True)  # the benchmark's own folder, made from `trained`
+        AutoModelForCausalLM.from_pretrained(source, **settings).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+        recorded.write_text(json.dumps(wanted))
+    log.append(f"AutoModelForCausalLM.from_pretrained({relative(source)!r}, **{settings}).save_pretrained("
+               f"{relative(folder)!r})")
+    return {"folder": relative(folder), "variant_of": trained, "inference_settings": settings}
 
 
 # -- evaluation -------------------------------------------------------------------------------------------------
@@ -436,7 +471,8 @@ def table(report: dict) -> str:
     lines.append("")
     converted = [name for name in report["models"] if name in CONVERSIONS]
     tuned = (f" (`A_converted`: the source's weights in design A, `A_from_B`: trained model B's weights in design A; "
-             f"then {setup.get('finetune_steps')} fine-tuning steps)" if converted else "")
+             f"then {setup.get('finetune_steps')} fine-tuning steps; `*_8_rounds`: evaluated with 8 hash rounds and "
+             "buckets sized for 16x L)" if converted else "")
     lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
                  f"each{tuned}; lm-eval recovery: the mean ratio to the source's scores on attnzoo's local tasks; "
                  "the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the source's KV "
@@ -505,17 +541,21 @@ def main(argv=None) -> dict:
         return report
     check_arguments(args)
     names = ["source"]
-    for name in args.models:  # a conversion's trained model comes before it
-        start_from = CONVERSIONS[name][0] if name in CONVERSIONS else name
-        names += [n for n in dict.fromkeys((start_from, name)) if n not in names]
+    for name in args.models:  # a conversion's or variant's trained model comes before it (and its own before it)
+        chain = [name]
+        while chain[0] in CONVERSIONS or chain[0] in INFERENCE_VARIANTS:
+            chain.insert(0, (CONVERSIONS.get(chain[0]) or INFERENCE_VARIANTS[chain[0]])[0])
+        names += [n for n in chain if n not in names]
     log: list[str] = []
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
              if k not in ("retrain", "readme_only", "results", "models")}
-    report = {"setup": setup, "designs": {n: DESIGNS[CONVERSIONS[n][1] if n in CONVERSIONS else n][:2]
-                                          for n in names}, "models": {},
+    report = {"setup": setup, "designs": {n: DESIGNS[design_of(n)][:2] for n in names}, "models": {},
               "commands": log}
     for name in names:
-        trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
+        if name in INFERENCE_VARIANTS:
+            trained = save_variant(name, args, log)
+        else:
+            trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
         report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args, log)}
         if name == "source":
             for scaled, rule in ROPE_SCALING.items():

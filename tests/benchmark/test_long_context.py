@@ -125,13 +125,21 @@ def test_bad_arguments_say_what_to_change(flag, value, message):
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())
-    argv = ["--models", "source", "window", "window_converted", "--finetune_steps", "2",
+    argv = ["--models", "source", "window", "window_converted", "irope_lsh_from_irope_softmax_8_rounds",
+            "--finetune_steps", "2",
             "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
             "--layers", "2", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
             "--passkey_trials", "1", "--heldout_sequences", "1", "--passkey_min_distance", "0", "--lm_eval_limit", "4",
             "--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
     report = bench.main(argv)
-    assert set(report["models"]) == {"source", "source_linear", "window", "window_converted"}
+    assert list(report["models"]) == ["source", "source_linear", "window", "window_converted", "irope_softmax",
+                                      "irope_lsh_from_irope_softmax", "irope_lsh_from_irope_softmax_8_rounds"]
+    variant = report["models"]["irope_lsh_from_irope_softmax_8_rounds"]
+    assert variant["inference_settings"] == {"lsh_num_hashes_eval": 8, "max_position_embeddings": 256}
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(tmp_path / "runs" / "irope_lsh_from_irope_softmax_8_rounds")
+    assert (config.lsh_num_hashes_eval, config.max_position_embeddings, config.lsh_num_hashes) == (8, 256, 2)
+    assert report["models"]["irope_lsh_from_irope_softmax"]["converted_from"] == "irope_softmax"
     converted = report["models"]["window_converted"]
     assert converted["converted_from"] == "source" and converted["train_steps"] == 2
     assert converted["family"] == "window" and len(converted["train_loss_by_step"]) == 0  # logged every 100 steps
@@ -142,7 +150,7 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     assert window["state_bytes"]["256"] < report["models"]["source"]["state_bytes"]["256"]  # a window, not a cache
     assert (tmp_path / "lc.png").is_file()
     stamps = {name: (tmp_path / "runs" / name / "model.safetensors").stat().st_mtime
-              for name in ("source", "window", "window_converted")}
+              for name in ("source", "window", "window_converted", "irope_lsh_from_irope_softmax_8_rounds")}
     again = bench.main(argv)  # every run and evaluation is read back, not redone
     assert again["commands"] == report["commands"] and again["models"]["window"] == window
     assert all((tmp_path / "runs" / n / "model.safetensors").stat().st_mtime == t for n, t in stamps.items())

@@ -128,7 +128,7 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     argv = ["--models", "source", "window", "window_converted", "irope_lsh_from_irope_softmax_8_rounds",
             "--finetune_steps", "2",
             "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
-            "--layers", "2", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
+            "--layers", "4", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
             "--passkey_trials", "1", "--heldout_sequences", "1", "--passkey_min_distance", "0", "--lm_eval_limit", "4",
             "--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
     report = bench.main(argv)

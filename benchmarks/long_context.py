@@ -502,18 +502,20 @@ def plot(report: dict, path: Path) -> None:
     setup = report["setup"]
     multiples = setup["length_multiples"]
     fig, (left, right, curves) = plt.subplots(1, 3, figsize=(18, 4.8))
+    colours = {name: plt.cm.tab20(i % 20) for i, name in enumerate(report["models"])}  # one per model, all panels
     for name, model in report["models"].items():
         if model.get("train_loss_by_step"):
             steps, losses = zip(*model["train_loss_by_step"], strict=True)
-            curves.plot(steps, losses, label=name)
+            curves.plot(steps, losses, label=name, color=colours[name])
     curves.set_xlabel("training step (converted: fine-tuning step)")
     curves.set_title("training loss (weighted passkey answers)")
     for name, row in report["summary"]["rows"].items():
-        left.plot(multiples, [row["passkey"][str(setup["block_size"] * m)] for m in multiples], marker="o", label=name)
+        left.plot(multiples, [row["passkey"][str(setup["block_size"] * m)] for m in multiples], marker="o", label=name,
+                  color=colours[name])
         model = report["models"][name]
         positions = model["bits_per_dim_by_position"]
         if all(isinstance(v, (float, type(None))) for v in positions.values()):
-            right.plot(multiples, [positions.get(k) for k in positions], marker="o", label=name)
+            right.plot(multiples, [positions.get(k) for k in positions], marker="o", label=name, color=colours[name])
     left.axhline(0.9, color="gray", linestyle=":")
     left.set_xscale("log", base=2)
     left.set_xlabel(f"prompt length (x L = {setup['block_size']})")

@@ -169,10 +169,7 @@ def train_design(name: str, args, log: list[str]) -> dict:
     model = [f"hidden_size={args.hidden}", f"num_hidden_layers={args.layers}", f"num_attention_heads={args.heads}",
              f"intermediate_size={4 * args.hidden}", "position_embedding_type=rotary", "hidden_dropout_prob=0.0",
              "attention_probs_dropout_prob=0.0", *COMMON[family], *settings]
-    command = ["scripts/train_lm.py", "--family", family, "--model", *model, "--block_size", args.block_size,
-               "--train_stride", args.train_stride, "--per_device_train_batch_size", args.batch,
-               "--passkey_fraction", args.passkey_fraction, "--passkey_min_distance", args.passkey_min_distance,
-               "--passkey_answer_weight", args.passkey_answer_weight if weight is None else weight,
+    command = ["scripts/train_lm.py", "--family", family, "--model", *model, *data_arguments(args, weight),
                "--max_train_steps", args.steps, "--learning_rate", args.learning_rate,
                "--num_warmup_steps", max(1, args.steps // 20), "--eval_steps", max(1, args.steps // 4),
                "--logging_steps", 50, "--sample_tokens", 0, "--report_to", "jsonl", "--seed", args.seed,
@@ -188,6 +185,19 @@ def train_design(name: str, args, log: list[str]) -> dict:
         command.append("--overwrite_output_dir")
     run(command, log, execute=not done)
     recorded.write_text(json.dumps(wanted))
+    return run_record(folder, family, settings, weight, args)
+
+
+def data_arguments(args, weight: float | None) -> list:
+    """train_lm.py's data arguments, the same for every run (training and fine-tuning)."""
+    return ["--block_size", args.block_size, "--train_stride", args.train_stride,
+            "--per_device_train_batch_size", args.batch, "--passkey_fraction", args.passkey_fraction,
+            "--passkey_min_distance", args.passkey_min_distance,
+            "--passkey_answer_weight", args.passkey_answer_weight if weight is None else weight]
+
+
+def run_record(folder: Path, family: str, settings: list[str], weight: float | None, args) -> dict:
+    """What the report keeps of a finished training or fine-tuning run."""
     results = json.loads((folder / "all_results.json").read_text())
     return {"folder": relative(folder), "family": family, "settings": settings,
             "answer_weight": args.passkey_answer_weight if weight is None else weight,
@@ -203,10 +213,7 @@ def train_converted(name: str, args, log: list[str]) -> dict:
     start, folder = args.output_dir / "converted" / name, args.output_dir / name
     convert = ["-m", "attnzoo.convert.attention", args.output_dir / start_from, start, "--family", family,
                "--model", *COMMON[family], *settings]
-    command = ["scripts/train_lm.py", "--model_name_or_path", start, "--block_size", args.block_size,
-               "--train_stride", args.train_stride, "--per_device_train_batch_size", args.batch,
-               "--passkey_fraction", args.passkey_fraction, "--passkey_min_distance", args.passkey_min_distance,
-               "--passkey_answer_weight", args.passkey_answer_weight if weight is None else weight,
+    command = ["scripts/train_lm.py", "--model_name_or_path", start, *data_arguments(args, weight),
                "--max_train_steps", args.finetune_steps, "--learning_rate", args.finetune_learning_rate,
                "--num_warmup_steps", max(1, args.finetune_steps // 20),
                "--eval_steps", max(1, args.finetune_steps // 2), "--logging_steps", 50, "--sample_tokens", 0,
@@ -224,12 +231,7 @@ def train_converted(name: str, args, log: list[str]) -> dict:
     run(convert, log, execute=not done)
     run(command, log, execute=not done)
     recorded.write_text(json.dumps(wanted))
-    results = json.loads((folder / "all_results.json").read_text())
-    return {"folder": relative(folder), "family": family, "settings": settings, "converted_from": start_from,
-            "answer_weight": args.passkey_answer_weight if weight is None else weight,
-            "train_seconds": results["train_seconds"], "train_steps": results["train_steps"],
-            "train_tokens": results["train_steps"] * args.batch * args.block_size,
-            "eval_bits_per_dim_at_L": results["eval_bits_per_dim"], "train_loss_by_step": loss_curve(folder)}
+    return {**run_record(folder, family, settings, weight, args), "converted_from": start_from}
 
 
 def loss_curve(folder: Path, every: int = 100) -> list[list[float]]:
@@ -411,7 +413,7 @@ def summarise(report: dict) -> dict:
             first, at4 = _ending_at(positions, 1), _ending_at(positions, 4)
         states, scores = model.get("state_bytes"), model.get("lm_eval")
         rows[name] = {"lm_eval_recovery": recovery(scores, source_scores)["average"] if scores and source_scores
-                      else None,"passkey": {n: model["passkey"].get(n) for n in lengths},
+                      else None, "passkey": {n: model["passkey"].get(n) for n in lengths},
                       "bits_per_dim_1x": first, "bits_per_dim_4x": at4,
                       "bits_per_dim_growth_4x": None if first is None or at4 is None else at4 - first,
                       "state_over_source_kv": {n: states[n] / kv[n] for n in lengths if n in states and n in kv}

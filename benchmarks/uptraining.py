@@ -235,7 +235,6 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-
 # -- lm-eval on attnzoo's local tasks, shared with conversion_recovery.py and long_context.py ------------------
 NEWLINE = 10  # the byte-level tokenizer's id of "\n"
 #: the lm-eval figures the recovery average is taken over: (key, higher is better)
@@ -270,6 +269,7 @@ def lm_eval(folder: Path, out: Path, args, log: list[str]) -> dict[str, float]:
          "--output_file", result_file], log, not result_file.is_file())
     rows = json.loads(result_file.read_text())["lm_eval"]
     return {f"{r['task'].removeprefix('attnzoo_pydoc_')}/{r['metric']}": r["value"] for r in rows}
+
 
 if __name__ == "__main__":
     main()

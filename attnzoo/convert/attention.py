@@ -26,14 +26,13 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch import nn
 
 from attnzoo.configuration.base import ZooConfig
 from attnzoo.convert.common import (
-    PROJECTION_LAYOUTS,
     ConversionReport,
     attention_weights,
     build_config,
+    find_projection_layout,
     init_attention_extras,
     load_converted,
     seeded,
@@ -88,13 +87,6 @@ def target_config(source_config, family: str, overrides: dict | None = None):
     return build_config(family, fixed, defaults, overrides)
 
 
-def _layout(module: nn.Module) -> dict[str, str] | None:
-    for layout in PROJECTION_LAYOUTS:
-        if all(isinstance(getattr(module, name, None), nn.Linear) for name in layout):
-            return layout
-    return None
-
-
 def convert_state_dict(source, model, report: ConversionReport) -> dict[str, torch.Tensor]:
     """The tensors of `model` from `source` (both attnzoo models with the same backbone): attention projections
     by role, every other tensor by name."""
@@ -103,15 +95,15 @@ def convert_state_dict(source, model, report: ConversionReport) -> dict[str, tor
     targets = dict(model.named_modules())
     out, used = {}, set()
     for name, attn in source.named_modules():
-        layout = _layout(attn)
+        layout = find_projection_layout(attn)
         if layout is None:
             continue
         target = targets.get(name)
-        if target is None or _layout(target) is None:
+        if target is None or find_projection_layout(target) is None:
             raise ValueError(f"the source's attention {name} has no attention at the same place in "
                              f"{type(model).__name__}; the two models' layers differ.")
         roles = {role: getattr(attn, module) for module, role in layout.items()}
-        missing = [role for role in _layout(target).values() if role not in roles]
+        missing = [role for role in find_projection_layout(target).values() if role not in roles]
         if missing:
             raise ValueError(f"{name} of the source shares one query-key projection (shared-QK LSH); the target's "
                              f"{getattr(target, 'name', type(target).__name__)!r} attention needs a separate key "

@@ -97,11 +97,17 @@ def build_config(family: str, fixed: dict, defaults: dict, overrides: dict | Non
     return config_class(**values)
 
 
+def find_projection_layout(module: nn.Module) -> dict[str, str] | None:
+    """The entry of `PROJECTION_LAYOUTS` that `module` has, or None (not an attention the converters fill)."""
+    return next((layout for layout in PROJECTION_LAYOUTS
+                 if all(isinstance(getattr(module, name, None), nn.Linear) for name in layout)), None)
+
+
 def projection_layout(attn: nn.Module) -> dict[str, str]:
     """The entry of `PROJECTION_LAYOUTS` that `attn` has, or ValueError naming the attention."""
-    for layout in PROJECTION_LAYOUTS:
-        if all(isinstance(getattr(attn, name, None), nn.Linear) for name in layout):
-            return layout
+    layout = find_projection_layout(attn)
+    if layout is not None:
+        return layout
     raise ValueError(f"attention {getattr(attn, 'name', '?')!r} ({type(attn).__name__}) has none of the projection "
                      f"layouts the converters fill ({[list(layout) for layout in PROJECTION_LAYOUTS]}); pick "
                      "attn_layers of another kind.")

@@ -29,7 +29,7 @@ eighth of the training length, so retrieval during training must go through each
 Each model is evaluated at 1x, 2x, 4x, 8x and 16x the training length: passkey accuracy by length and by the key's
 distance from the answer (attnzoo.evaluation.passkey, the prompts the lm-eval task `attnzoo_passkey` builds; 40
 prompts a length, each with its own key and its own cut of the repeated filler, since a model can depend on where
-the filler is cut around the key line: with one cut per depth the iRoPE hybrid read 0 of 20 at 1,024 tokens),
+the filler is cut around the key line: with one cut per depth the iRoPE hybrid's 4x figure measured the cut),
 held-out bits/dim by position bucket (does the loss blow up past the training length?), and the decoding state's
 bytes after a prefill of each length against the source's KV cache; lm-eval on attnzoo's local tasks at the training
 length, as the mean ratio to the source's scores; and the step at which a from-scratch run learns to retrieve (its

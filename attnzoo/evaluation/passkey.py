@@ -50,8 +50,8 @@ ANSWER = " {key}"
 TRAINING_ANSWER_END = "."
 #: "repeat": filler_text over and over from its start; "repeat_shifted": the same, from a token of filler_text drawn
 #: for each prompt, so that prompts of one length and depth differ in where the filler is cut around the key line and
-#: the question, not only in the key (a model can depend on that cut: one scored 0 of 20 at 1,024 tokens and 20 of 20
-#: at 1,152); "corpus": prose sentences of the default corpus drawn for each prompt
+#: the question, not only in the key (a model can depend on that cut: one retrieved at most prompt lengths and failed
+#: at a few in between, as the cut moved); "corpus": prose sentences of the default corpus drawn for each prompt
 FILLERS = ("repeat", "repeat_shifted", "corpus")
 #: how the generated continuation is scored (Landmark Attention's rule)
 SCORING = "correct when the first run of digits in the greedy continuation equals the pass key"

@@ -181,11 +181,25 @@ def train_design(name: str, args, log: list[str]) -> dict:
     wanted = [str(c) for c in command]
     done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
             and json.loads(recorded.read_text()) == wanted)
-    if not done and folder.exists():
-        command.append("--overwrite_output_dir")
+    if not done:
+        command += start_or_resume(name, folder, wanted, args)
     run(command, log, execute=not done)
     recorded.write_text(json.dumps(wanted))
     return run_record(folder, family, settings, weight, args)
+
+
+def start_or_resume(name: str, folder: Path, wanted: list, args) -> list[str]:
+    """The arguments that go on from an interrupted run of this same command, or start over.
+
+    A run stopped by SIGTERM or Ctrl-C saves its state (train_lm.py), so a benchmark stopped mid-run loses none of
+    it: the run resumes from its newest checkpoint if the same command started it (the record of each started
+    command is kept beside the finished ones); any other run in the folder is replaced."""
+    started = records(args.output_dir, name, "started")
+    same = started.is_file() and json.loads(started.read_text()) == wanted
+    started.write_text(json.dumps(wanted))
+    if same and not args.retrain and any((folder / "checkpoints").glob("step_*")):
+        return ["--resume_from_checkpoint", "latest"]
+    return ["--overwrite_output_dir"] if folder.exists() else []
 
 
 def data_arguments(args, weight: float | None) -> list:
@@ -223,12 +237,13 @@ def train_converted(name: str, args, log: list[str]) -> dict:
     wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(args.output_dir / start_from)]
     done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
             and json.loads(recorded.read_text()) == wanted)
+    resume = False
     if not done:
-        if start.exists():  # an earlier conversion (of another source or settings): the benchmark's own folder
+        command += start_or_resume(name, folder, wanted, args)
+        resume = "--resume_from_checkpoint" in command and start.is_dir()
+        if start.exists() and not resume:  # an earlier conversion (of another source or settings): the benchmark's own
             shutil.rmtree(start)
-        if folder.exists():
-            command.append("--overwrite_output_dir")
-    run(convert, log, execute=not done)
+    run(convert, log, execute=not (done or resume))
     run(command, log, execute=not done)
     recorded.write_text(json.dumps(wanted))
     return {**run_record(folder, family, settings, weight, args), "converted_from": start_from}

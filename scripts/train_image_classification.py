@@ -16,7 +16,6 @@ timm and torchvision (the `vision` extra) are imported by this script only.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -237,13 +236,12 @@ def main(argv=None):
     accelerator.print(f"{run.num_parameters / 1e6:.2f}M parameters, {len(names)} classes, {len(train_set)} training "
                       f"images, global batch {global_batch}, lr {args.learning_rate:.3g}, {run.max_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
-    started = time.time()
     step = train(accelerator, args, run, build_mixup(args, len(names)), len(names), validation_loader)
     accuracy = evaluate_top1(run.model, validation_loader, accelerator, args.max_eval_batches)
     results = {"eval_accuracy": accuracy, "eval_split": "validation", "num_eval_images": len(validation_set),
                "train_steps": step, "num_labels": len(names), "num_parameters": run.num_parameters,
                "learning_rate": args.learning_rate, "global_batch_size": global_batch,
-               "train_seconds": round(time.time() - started, 1), "num_processes": accelerator.num_processes}
+               "train_seconds": run.guard.training_seconds(), "num_processes": accelerator.num_processes}
     accelerator.log({"eval_accuracy": accuracy}, step=step)
     unwrapped = save_final_model(accelerator, run.model, args.output_dir, tokenizer=image_processor(args))
     results["family"] = unwrapped.config.model_type.removeprefix("attnzoo_")
@@ -277,7 +275,7 @@ def train(accelerator, args, run, mixup, num_labels: int, validation_loader) -> 
     model, step = run.model, run.start_step
     progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
-    started = time.time()
+    started = run.guard.start_clock()
     model.train()
     for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
         pixels, labels = batch["pixel_values"], batch["labels"]

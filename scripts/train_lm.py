@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -239,7 +238,7 @@ def train(accelerator, args, run, heldout_loader) -> tuple[int, tuple[int, float
     model, step = run.model, run.start_step
     progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
-    started = time.time()
+    started = run.guard.start_clock()
     model.train()
     last_eval = None
     for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
@@ -261,7 +260,7 @@ def train(accelerator, args, run, heldout_loader) -> tuple[int, tuple[int, float
         if step >= run.max_steps:
             break
     progress.close()
-    return step, last_eval, round(time.time() - started, 1)
+    return step, last_eval, run.guard.training_seconds()
 
 
 def batch_loss(model, batch: dict, answer_weight: float) -> torch.Tensor:

@@ -14,7 +14,6 @@ Evaluation decodes with beam 4 and length penalty 0.6, optionally after averagin
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -185,10 +184,9 @@ def main(argv=None):
     accelerator.print(f"{run.num_parameters / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}, "
                       f"{len(tokenized['train'])} training pairs, {run.max_steps} steps, "
                       f"{accelerator.num_processes} process(es)")
-    started = time.time()
     step = train(accelerator, args, run, tokenizer, validation, references(raw["validation"], args.target_lang))
     results, hypotheses = final_evaluation(accelerator, args, run, raw, tokenized, tokenizer, collator, step)
-    results["train_seconds"] = round(time.time() - started, 1)
+    results["train_seconds"] = run.guard.training_seconds()
     save_and_publish(accelerator, args, run.model, tokenizer, results, hypotheses)
     accelerator.end_training()
     return results
@@ -212,7 +210,7 @@ def train(accelerator, args, run, tokenizer, validation_loader, validation_refs)
     pad_id, start_id = model.config.pad_token_id, model.config.decoder_start_token_id
     progress = progress_bar(accelerator, run.max_steps, step)
     train_loss = RunningMean()
-    started = time.time()
+    started = run.guard.start_clock()
     model.train()
     for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
         loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,

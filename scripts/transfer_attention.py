@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -294,7 +293,7 @@ def train(accelerator, args, run, transfer, heldout_loader) -> tuple[int, float]
     model, step = run.model, run.start_step
     progress = progress_bar(accelerator, run.max_steps, step, desc="transfer")
     train_loss = RunningMean()
-    started = time.time()
+    started = run.guard.start_clock()
     model.train()
     for batch in run.guard.watch(train_batches(accelerator, run.loader, step)) if step < run.max_steps else ():
         loss = training_step(accelerator, model, run.optimizer, run.scheduler, args.max_grad_norm,
@@ -317,7 +316,7 @@ def train(accelerator, args, run, transfer, heldout_loader) -> tuple[int, float]
         if step >= run.max_steps:
             break
     progress.close()
-    return step, round(time.time() - started, 1)
+    return step, run.guard.training_seconds()
 
 
 def save_results(accelerator, args, student, tokenizer, results: dict, step: int) -> None:

@@ -17,6 +17,8 @@ a checkpoint save that fails.
   function of the step number and a resumed run replays the same steps.
 - Failed saves. A checkpoint that cannot be written is reported and training goes on (the previous checkpoint is
   intact); more than --max_failed_saves failures in a row stop the run, so unsaved work does not pile up.
+- Training time. A checkpoint keeps the seconds trained up to it, and a resumed run's clock (`start_clock`) starts
+  from them, so the logged `elapsed_s` and the results' `train_seconds` count the whole run, not its last part.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -90,14 +93,29 @@ class TrainingGuard:
         self._saved_step: int | None = None
         self._signal = 0
         self._signal_group = _cpu_process_group(accelerator)
+        self.resumed_seconds = 0.0  # seconds trained before the checkpoint this run resumed from
+        self._clock: float | None = None
 
     # -- checkpointed counters -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"skipped_steps": self.skipped_steps, "latest_skipped": list(self.latest_skipped)}
+        return {"skipped_steps": self.skipped_steps, "latest_skipped": list(self.latest_skipped),
+                "train_seconds": self.resumed_seconds if self._clock is None else time.time() - self._clock}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.latest_skipped = [int(s) for s in state.get("latest_skipped", [])]
+        self.resumed_seconds = float(state.get("train_seconds", 0.0))
+
+    # -- training time ---------------------------------------------------------------------------------------------
+    def start_clock(self) -> float:
+        """Start timing the training loop; returns its start as if the run had never stopped (now, less the seconds
+        trained before the checkpoint it resumed from), the `started` that `training_record` takes."""
+        self._clock = time.time() - self.resumed_seconds
+        return self._clock
+
+    def training_seconds(self) -> float:
+        """Seconds trained so far, counting those before a resume."""
+        return round(self.resumed_seconds if self._clock is None else time.time() - self._clock, 1)
 
     # -- stop signals ----------------------------------------------------------------------------------------------
     def watch(self, batches: Iterable) -> Iterator:

@@ -122,6 +122,23 @@ def test_bad_arguments_say_what_to_change(flag, value, message):
         bench.check_arguments(args)
 
 
+def test_an_interrupted_run_of_the_same_command_resumes_and_any_other_starts_over(tmp_path):
+    args = bench.build_parser().parse_args(["--output_dir", str(tmp_path)])
+    folder, command = tmp_path / "window", ["scripts/train_lm.py", "--max_train_steps", "3000"]
+    assert bench.start_or_resume("window", folder, command, args) == []  # nothing there yet
+    (folder / "checkpoints" / "step_408").mkdir(parents=True)  # stopped by SIGTERM: its state was saved
+    assert bench.start_or_resume("window", folder, command, args) == ["--resume_from_checkpoint", "latest"]
+    other = ["scripts/train_lm.py", "--max_train_steps", "4000"]
+    assert bench.start_or_resume("window", folder, other, args) == ["--overwrite_output_dir"]
+    # the record now names the other command: the first one's checkpoint is not taken for it
+    assert bench.start_or_resume("window", folder, command, args) == ["--overwrite_output_dir"]
+    args.retrain = True
+    assert bench.start_or_resume("window", folder, command, args) == ["--overwrite_output_dir"]
+    empty = tmp_path / "source"
+    empty.mkdir()  # a folder whose run stopped before its first checkpoint
+    assert bench.start_or_resume("source", empty, command, args) == ["--overwrite_output_dir"]
+
+
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())

@@ -261,8 +261,18 @@ def test_sigterm_in_process_finishes_the_step_saves_and_resumes_bit_exactly(tmp_
     assert signal.getsignal(signal.SIGTERM) == handler_before
     assert [s for s, _ in list_checkpoints(stopped)] == [3] and not (stopped / "model.safetensors").exists()
     monkeypatch.undo()
+    # the checkpoint keeps the seconds trained before it; the resumed run's clock counts on from them (set far above
+    # what this run takes, so that only a carried-over clock can reach it)
+    manifest = checkpoint_dir(stopped, 3) / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    assert 0.0 < saved["loop_state"]["train_seconds"] < 600.0
+    saved["loop_state"]["train_seconds"] = 1000.0
+    manifest.write_text(json.dumps(saved))
     run_script("train_lm", [*lm_args(corpus, stopped), "--resume_from_checkpoint", "latest"])
     assert_identical_weights(weights(tmp_path / "full"), weights(stopped))
+    resumed = [row for row in read_metrics(stopped / "metrics.jsonl") if row["step"] > 3 and "elapsed_s" in row]
+    assert resumed and all(1000.0 <= row["elapsed_s"] < 1600.0 for row in resumed)
+    assert 1000.0 <= json.loads((stopped / "all_results.json").read_text())["train_seconds"] < 1600.0
 
 
 def test_nan_loss_skips_the_update_logs_it_and_stops_at_the_limit(tmp_path, corpus, monkeypatch):
@@ -284,7 +294,8 @@ def test_nan_loss_skips_the_update_logs_it_and_stops_at_the_limit(tmp_path, corp
     inject_at_micro_batch(monkeypatch, 6, lambda compute_loss: (lambda: compute_loss() * float("nan")))
     with pytest.raises(NonFiniteStepsError, match=r"step 3: 1 optimizer steps.*--max_nonfinite_steps=0"):
         run_script("train_lm", lm_args(corpus, tmp_path / "stopped", "--max_nonfinite_steps", "0"))
-    assert read_loop_state(checkpoint_dir(tmp_path / "stopped", 3)) == {"skipped_steps": 1, "latest_skipped": [3]}
+    saved = read_loop_state(checkpoint_dir(tmp_path / "stopped", 3))
+    assert {k: saved[k] for k in ("skipped_steps", "latest_skipped")} == {"skipped_steps": 1, "latest_skipped": [3]}
 
 
 def test_a_failing_save_mid_run_is_reported_and_training_goes_on(tmp_path, corpus, monkeypatch, caplog):

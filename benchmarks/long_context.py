@@ -53,6 +53,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
 
@@ -67,6 +68,7 @@ TABLE_FILES = (ROOT / "README.md", ROOT / "docs" / "long_context.md")
 TABLE_START, TABLE_END = "<!-- long_context table: start -->", "<!-- long_context table: end -->"
 WINDOW = ["window_size=32", "num_sink_tokens=4"]
 LSH = ["lsh_chunk_length=32", "lsh_num_hashes=2"]
+FAVOR = ["feature_redraw=learned", "num_random_features=64"]
 NO_POSITIONS = ["far_positions=[none]"]
 LOG_SCALE = ["far_query_scale=log", "far_query_scale_length=256"]  # grows from the training length on
 IROPE = ["far_positions=[rotary,rotary,rotary,none]", *LOG_SCALE]
@@ -75,17 +77,18 @@ DESIGNS = {
     "source": ("softmax", [], None),
     "window": ("window", WINDOW, None),
     "lsh_window_rotary": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false"], None),
-    "lsh_window_none": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
-                                     *NO_POSITIONS], None),
     "lsh_window_none_log": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
                                          *NO_POSITIONS, *LOG_SCALE], None),
     "lsh_window_none_shared_qk": ("reformer", ["attn_layers=[lsh_window]", *WINDOW, *LSH, *NO_POSITIONS], None),
-    "favor_window_none": ("performer", ["attn_layers=[favor_window]", *WINDOW, "feature_redraw=learned",
-                                        "num_random_features=64", *NO_POSITIONS], None),
+    "favor_window_none": ("performer", ["attn_layers=[favor_window]", *WINDOW, *FAVOR, *NO_POSITIONS], None),
     "irope_softmax": ("hybrid", ["attn_layers=[window,window,window,full]", *WINDOW, *IROPE], None),
     "irope_lsh": ("hybrid", ["attn_layers=[window,window,window,lsh_window]", *WINDOW, *LSH, "lsh_shared_qk=false",
                              *IROPE], None),
     "source_unweighted": ("softmax", [], 1.0),
+    # the iRoPE LSH hybrid with the settings its long-context evaluation uses (8 rounds, buckets for 16 x 256 tokens:
+    # 2 x 4096 / 32), in training too
+    "irope_lsh_8_rounds": ("hybrid", ["attn_layers=[window,window,window,lsh_window]", *WINDOW, "lsh_chunk_length=32",
+                                      "lsh_num_hashes=8", "lsh_num_buckets=256", "lsh_shared_qk=false", *IROPE], None),
 }
 #: a trained model converted to a design (`python -m attnzoo.convert.attention`: the same weights, the design's
 #: attention), then fine-tuned on the same data for --finetune_steps: name -> (the trained model, the design). The
@@ -94,8 +97,9 @@ DESIGNS = {
 #: reach, then retrieves among its bucket's candidates only: LSH's gradient reaches a key only when it shares the
 #: query's bucket, which from scratch it rarely does)
 CONVERSIONS = {**{f"{design}_converted": ("source", design)
-                  for design in ("window", "irope_softmax", "irope_lsh", "lsh_window_none_log")},
-               "irope_lsh_from_irope_softmax": ("irope_softmax", "irope_lsh")}
+                  for design in ("window", "irope_softmax", "irope_lsh", "lsh_window_none_log", "favor_window_none")},
+               "irope_lsh_from_irope_softmax": ("irope_softmax", "irope_lsh"),
+               "irope_lsh_8_rounds_from_irope_softmax": ("irope_softmax", "irope_lsh_8_rounds")}
 #: every model's common settings (the reformer family's defaults are reversible with axial positions: not these)
 COMMON = {"softmax": [], "window": [], "performer": [], "hybrid": [],
           "reformer": ["reversible=false", "chunk_size_feed_forward=0", "lsh_hash_seed=0"]}
@@ -110,9 +114,21 @@ ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": flo
 #: (2 x it / chunk length, fixed per model so decoding hashes as the full forward): set to the longest prompt, a far
 #: key keeps a bucket of its own kind instead of one crowded by recent keys; and 8 hash rounds at evaluation find a
 #: query's match in more of them
-INFERENCE_VARIANTS = {f"{trained}_8_rounds": (trained, lambda args: {
+INFERENCE_VARIANTS = {**{f"{trained}_8_rounds": (trained, lambda args: {
     "lsh_num_hashes_eval": 8, "max_position_embeddings": args.block_size * max(args.length_multiples)})
-    for trained in ("irope_lsh_from_irope_softmax", "irope_lsh_converted")}
+    for trained in ("irope_lsh_from_irope_softmax", "irope_lsh_converted")},
+    # The log query scale is 1 wherever a training position has a label (1 + 0.1 ln(floor((p + 1) / L) + 1) with
+    # p + 1 <= L; only the last position, which predicts past the block, differs), so a design with it and the same
+    # design without it train identically (the two FAVOR runs logged the same losses to the last digit): one is
+    # trained, and the other is that run with the scale switched at inference.
+    "lsh_window_none": ("lsh_window_none_log", lambda args: {"far_query_scale": None}),
+    "favor_window_none_log": ("favor_window_none", lambda args: {"far_query_scale": "log",
+                                                                 "far_query_scale_length": args.block_size}),
+    "irope_lsh_8_rounds_from_irope_softmax_unscaled": ("irope_lsh_8_rounds_from_irope_softmax",
+                                                       lambda args: {"far_query_scale": None})}
+#: models whose passkey accuracy is also measured at --scan_lengths: whether a column's figure belongs to its length
+#: or to a band of lengths around it
+LENGTH_SCAN = ("irope_softmax", "irope_lsh_8_rounds_from_irope_softmax")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey_filler", default="repeat_shifted", choices=FILLERS,
                    help="repeat_shifted: each prompt's repeated filler starts at its own token, so that the prompts "
                         "of one cell are cut differently around the key line, not only keyed differently")
+    p.add_argument("--scan_lengths", type=int, nargs="*", default=[768, 896, 960, 1000, 1024, 1056, 1152, 1280, 1536],
+                   help="prompt lengths (tokens) at which the models of LENGTH_SCAN are also measured (none: no scan)")
     p.add_argument("--heldout_sequences", type=int, default=4, help="held-out sequences of the longest length")
     p.add_argument("--lm_eval_limit", type=int, default=200, help="documents per local lm-eval task")
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +175,8 @@ def check_arguments(args) -> None:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if not 0.0 < args.passkey_fraction < 1.0:
         raise ValueError(f"--passkey_fraction={args.passkey_fraction} is invalid: set a fraction in (0, 1).")
+    if any(n < 1 for n in args.scan_lengths):
+        raise ValueError(f"--scan_lengths={args.scan_lengths}: lengths in tokens, each positive.")
     if any(m < 1 for m in args.length_multiples) or 1 not in args.length_multiples:
         raise ValueError(f"--length_multiples={args.length_multiples}: positive multiples, 1 among them.")
 
@@ -397,6 +417,21 @@ def evaluate_design(name: str, folder: Path, args, log: list[str], rope_scaling=
     return result
 
 
+def scan_lengths(name: str, folder: Path, args) -> dict:
+    """Passkey accuracy at each of --scan_lengths, with the benchmark's prompts (cached as NAME_scan.json)."""
+    cache = records(folder.parent, name, "scan")
+    settings = {"lengths": args.scan_lengths, **{k: getattr(args, k) for k in
+                                                 ("passkey_depths", "passkey_trials", "passkey_filler", "seed")}}
+    if cache.is_file() and not args.retrain:
+        cached = json.loads(cache.read_text())
+        if cached.get("settings") == settings and cached.get("trained") == _run_stamp(folder):
+            return cached["accuracy"]
+    model, tokenizer = load(folder)
+    accuracy = passkey_by_length(model, tokenizer, args, args.scan_lengths)["accuracy"]
+    cache.write_text(json.dumps({"accuracy": accuracy, "settings": settings, "trained": _run_stamp(folder)}))
+    return accuracy
+
+
 def _run_stamp(folder: Path) -> str:
     """What an evaluation was made of: the trained run's command (a retrained model is evaluated again)."""
     recorded = records(folder.parent, folder.name, "command")
@@ -487,9 +522,17 @@ def table(report: dict) -> str:
     goal = report["summary"]["meets_goal"]
     lines.append("")
     converted = [name for name in report["models"] if name in CONVERSIONS]
+    trained_8 = any(CONVERSIONS[name][1] == "irope_lsh_8_rounds" for name in converted)
     tuned = (f" (`A_converted`: the source's weights in design A, `A_from_B`: trained model B's weights in design A; "
              f"then {setup.get('finetune_steps')} fine-tuning steps; `*_8_rounds`: evaluated with 8 hash rounds and "
-             "buckets sized for 16x L)" if converted else "")
+             "buckets sized for 16x L" + ("; `irope_lsh_8_rounds`: trained with them too" if trained_8 else "") + ")"
+             if converted else "")
+    switched = [name for name in report["models"] if name in INFERENCE_VARIANTS and "far_query_scale" in
+                INFERENCE_VARIANTS[name][1](SimpleNamespace(**setup))]
+    if switched:
+        tuned += ("; " + ", ".join(f"`{name}`: the trained `{INFERENCE_VARIANTS[name][0]}`" for name in switched)
+                  + " with the log query scale switched at inference (with its length at L, a design trains the same "
+                  "with and without it)")
     lines.append(f"Training length L = {setup['block_size']} tokens, windows 32 + 4 sinks, {setup['steps']} steps "
                  f"each{tuned}; lm-eval recovery: the mean ratio to the source's scores on attnzoo's local tasks; "
                  "the goal (>= 90% at 4x, >= 50% at 16x, bits/dim at 4x within 0.05 of 1x, state <= the source's KV "
@@ -576,6 +619,8 @@ def main(argv=None) -> dict:
         else:
             trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
         report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args, log)}
+        if name in LENGTH_SCAN and args.scan_lengths:
+            report["models"][name]["passkey_scan"] = scan_lengths(name, args.output_dir / name, args)
         if name == "source":
             for scaled, rule in ROPE_SCALING.items():
                 report["models"][scaled] = {"folder": report["models"]["source"]["folder"],

@@ -172,6 +172,33 @@ def test_the_query_scales_follow_their_formulas():
                                torch.ones(2, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("name", ["favor_window", "lsh_window_separate_qk"])
+def test_the_log_scale_trains_as_no_scale_on_blocks_of_its_length(name):
+    """With far_query_scale_length equal to the training length, the log scale is 1 at every position that has a
+    label (only the last query, which predicts past the block, is scaled), so the loss and every gradient equal the
+    unscaled model's: benchmarks/long_context.py trains one of the two designs and switches the scale at inference.
+    A block one token longer gives the scale a labelled position, and the losses part."""
+    kind, settings = WINDOWED[name]
+    ids = torch.randint(1, 37, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def loss_and_grads(scale, length):
+        torch.manual_seed(0)
+        model = ZooHybridForCausalLM(config(attn_layers=[kind], lsh_hash_seed=0, far_query_scale=scale,
+                                            **settings)).double()
+        loss = model(ids[:, :length], labels=ids[:, :length]).loss
+        loss.backward()
+        return loss, [p.grad for p in model.parameters() if p.grad is not None]
+
+    for length, same in ((8, True), (9, False)):  # far_query_scale_length=8
+        (scaled, scaled_grads), (plain, plain_grads) = loss_and_grads("log", length), loss_and_grads(None, length)
+        if same:
+            torch.testing.assert_close(scaled, plain, rtol=0, atol=0)
+            for a, b in zip(scaled_grads, plain_grads, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:
+            assert (scaled - plain).abs() > 1e-9
+
+
 @pytest.mark.parametrize("values, field, message", [
     ({"far_positions": ["nope"]}, "far_positions", "list one of"),
     ({"far_positions": ["none"], "position_embedding_type": "learned"}, "far_positions",

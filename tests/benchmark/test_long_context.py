@@ -115,7 +115,8 @@ def test_the_tables_are_written_from_the_results_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("flag", "value", "message"), [("--steps", "0", "--steps=0"),
                                                         ("--passkey_fraction", "0", "--passkey_fraction=0.0"),
-                                                        ("--length_multiples", "2", "1 among them")])
+                                                        ("--length_multiples", "2", "1 among them"),
+                                                        ("--scan_lengths", "0", "--scan_lengths=")])
 def test_bad_arguments_say_what_to_change(flag, value, message):
     args = bench.build_parser().parse_args([flag, value])
     with pytest.raises(ValueError, match=message):
@@ -147,6 +148,7 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
             "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",
             "--layers", "4", "--heads", "2", "--length_multiples", "1", "2", "--passkey_depths", "0.5",
             "--passkey_trials", "1", "--heldout_sequences", "1", "--passkey_min_distance", "0", "--lm_eval_limit", "4",
+            "--scan_lengths", "192",
             "--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
     report = bench.main(argv)
     assert list(report["models"]) == ["source", "source_linear", "window", "window_converted", "irope_softmax",
@@ -157,6 +159,8 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     config = AutoConfig.from_pretrained(tmp_path / "runs" / "irope_lsh_from_irope_softmax_8_rounds")
     assert (config.lsh_num_hashes_eval, config.max_position_embeddings, config.lsh_num_hashes) == (8, 256, 2)
     assert report["models"]["irope_lsh_from_irope_softmax"]["converted_from"] == "irope_softmax"
+    assert set(report["models"]["irope_softmax"]["passkey_scan"]) == {"192"}  # a model of LENGTH_SCAN
+    assert "passkey_scan" not in report["models"]["window"]
     converted = report["models"]["window_converted"]
     assert converted["converted_from"] == "source" and converted["train_steps"] == 2
     assert converted["family"] == "window" and len(converted["train_loss_by_step"]) == 0  # logged every 100 steps

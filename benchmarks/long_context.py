@@ -53,7 +53,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
 
@@ -114,18 +113,20 @@ ROPE_SCALING = {"source_linear": lambda m: {"rope_type": "linear", "factor": flo
 #: (2 x it / chunk length, fixed per model so decoding hashes as the full forward): set to the longest prompt, a far
 #: key keeps a bucket of its own kind instead of one crowded by recent keys; and 8 hash rounds at evaluation find a
 #: query's match in more of them
-INFERENCE_VARIANTS = {**{f"{trained}_8_rounds": (trained, lambda args: {
+EIGHT_ROUNDS = {f"{trained}_8_rounds": (trained, lambda args: {
     "lsh_num_hashes_eval": 8, "max_position_embeddings": args.block_size * max(args.length_multiples)})
-    for trained in ("irope_lsh_from_irope_softmax", "irope_lsh_converted")},
-    # The log query scale is 1 wherever a training position has a label (1 + 0.1 ln(floor((p + 1) / L) + 1) with
-    # p + 1 <= L; only the last position, which predicts past the block, differs), so a design with it and the same
-    # design without it train identically (the two FAVOR runs logged the same losses to the last digit): one is
-    # trained, and the other is that run with the scale switched at inference.
+    for trained in ("irope_lsh_from_irope_softmax", "irope_lsh_converted")}
+#: The log query scale is 1 wherever a training position has a label (1 + 0.1 ln(floor((p + 1) / L) + 1) with
+#: p + 1 <= L; only the last position, which predicts past the block, differs), so a design with it and the same
+#: design without it train identically (the two FAVOR runs logged the same losses to the last digit): one is
+#: trained, and the other is that run with the scale switched at inference.
+SCALE_SWITCHED = {
     "lsh_window_none": ("lsh_window_none_log", lambda args: {"far_query_scale": None}),
     "favor_window_none_log": ("favor_window_none", lambda args: {"far_query_scale": "log",
                                                                  "far_query_scale_length": args.block_size}),
     "irope_lsh_8_rounds_from_irope_softmax_unscaled": ("irope_lsh_8_rounds_from_irope_softmax",
                                                        lambda args: {"far_query_scale": None})}
+INFERENCE_VARIANTS = {**EIGHT_ROUNDS, **SCALE_SWITCHED}
 #: models whose passkey accuracy is also measured at --scan_lengths: whether a column's figure belongs to its length
 #: or to a band of lengths around it
 LENGTH_SCAN = ("irope_softmax", "irope_lsh_8_rounds_from_irope_softmax")
@@ -527,8 +528,7 @@ def table(report: dict) -> str:
              f"then {setup.get('finetune_steps')} fine-tuning steps; `*_8_rounds`: evaluated with 8 hash rounds and "
              "buckets sized for 16x L" + ("; `irope_lsh_8_rounds`: trained with them too" if trained_8 else "") + ")"
              if converted else "")
-    switched = [name for name in report["models"] if name in INFERENCE_VARIANTS and "far_query_scale" in
-                INFERENCE_VARIANTS[name][1](SimpleNamespace(**setup))]
+    switched = [name for name in report["models"] if name in SCALE_SWITCHED]
     if switched:
         tuned += ("; " + ", ".join(f"`{name}`: the trained `{INFERENCE_VARIANTS[name][0]}`" for name in switched)
                   + " with the log query scale switched at inference (with its length at L, a design trains the same "

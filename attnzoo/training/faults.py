@@ -99,7 +99,7 @@ class TrainingGuard:
     # -- checkpointed counters -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps, "latest_skipped": list(self.latest_skipped),
-                "train_seconds": self.resumed_seconds if self._clock is None else time.time() - self._clock}
+                "train_seconds": self._seconds()}
 
     def load_state_dict(self, state: dict) -> None:
         self.skipped_steps = int(state.get("skipped_steps", 0))
@@ -114,8 +114,11 @@ class TrainingGuard:
         return self._clock
 
     def training_seconds(self) -> float:
-        """Seconds trained so far, counting those before a resume."""
-        return round(self.resumed_seconds if self._clock is None else time.time() - self._clock, 1)
+        """Seconds trained so far, counting those before a resume (to a tenth, as reported)."""
+        return round(self._seconds(), 1)
+
+    def _seconds(self) -> float:
+        return self.resumed_seconds if self._clock is None else time.time() - self._clock
 
     # -- stop signals ----------------------------------------------------------------------------------------------
     def watch(self, batches: Iterable) -> Iterator:

@@ -5,7 +5,10 @@ baseline every conversion into an efficient attention should beat at an equal de
 beats linear attention", arXiv 2608.28444, uses a window of 64 and 4 sinks)."""
 
 from attnzoo.configuration.base import ZooConfig
-from attnzoo.validation import check_int, check_positive_ints
+from attnzoo.validation import check_choice, check_int, check_positive_ints, fail
+
+#: where a query sees the sinks in rotary models (attnzoo/modeling/attention/window.py, `sink_queries`)
+SINK_POSITIONS = ("absolute", "adjacent")
 
 
 class ZooWindowSettings(ZooConfig):
@@ -17,15 +20,31 @@ class ZooWindowSettings(ZooConfig):
         window_size / num_sink_tokens: each query sees the last `window_size` tokens (itself included) and the first
             `num_sink_tokens` tokens of its sequence (StreamingLLM's attention sinks, arXiv 2309.17453), exactly
             (defaults: 64 and 4).
+        sink_positions: how a query sees the sinks in rotary models. "absolute" (the default): at their own
+            positions, so a query at position p sees them p tokens back, a distance that outgrows the training
+            length; "adjacent": as if they came just before its window (distances W .. W + S - 1), StreamingLLM's
+            positions within the cache (arXiv 2309.17453, section 3.2), so no distance in the window part ever
+            exceeds W + S - 1 and the window part sees at any length only what it saw in training. It can be switched
+            on a model trained without it (docs/long_context.md).
     """
 
     window_size: int = 64
     num_sink_tokens: int = 4
+    sink_positions: str = "absolute"
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
         check_positive_ints(self, ("window_size",))
         check_int(self, "num_sink_tokens", 0, "set a non-negative integer (0 = a plain sliding window).")
+        check_choice(self, "sink_positions", SINK_POSITIONS)
+        if self.sink_positions == "adjacent":
+            if self.position_embedding_type != "rotary":
+                fail("sink_positions", self.sink_positions, "it moves the sinks' rotary positions, and "
+                     f"position_embedding_type={self.position_embedding_type!r}; set position_embedding_type="
+                     "'rotary' or sink_positions='absolute'.")
+            if not self.num_sink_tokens:
+                fail("sink_positions", self.sink_positions, "it places the sinks, and num_sink_tokens=0; set "
+                     "num_sink_tokens (e.g. 4) or sink_positions='absolute'.")
 
 
 class ZooWindowConfig(ZooWindowSettings):

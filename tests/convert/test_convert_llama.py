@@ -586,3 +586,26 @@ def test_lsh_window_with_separate_queries_and_keys_keeps_the_key_projection_and_
                                                 "window_size": 16, "num_sink_tokens": 4})
     with torch.no_grad():
         assert 0 < max_difference(narrow(ids).logits, source(ids).logits) < 10
+
+
+@pytest.mark.parametrize("kind", ["window", "lsh_window"])
+def test_adjacent_sinks_convert_from_llama_and_decode_as_the_full_forward(kind, monkeypatch):
+    """`sink_positions="adjacent"` in a converted Llama: with the window wider than the sequence no sink is ever seen
+    as a sink, so the logits are the source's; with a narrow one the sinks move and cached greedy decoding still
+    follows the full forward."""
+    source = tiny_source()
+    keep_float64_norms(monkeypatch, source)
+    settings = {"attn_layers": [kind], "lsh_shared_qk": False, "sink_positions": "adjacent", "lsh_chunk_length": 8}
+    wide = llama.convert(source, "hybrid", {**settings, "window_size": 64, "num_sink_tokens": 4})
+    ids = token_ids(length=40)
+    with torch.no_grad():
+        assert max_difference(wide(ids).logits, source(ids).logits) < 1e-10
+    narrow = llama.convert(source, "hybrid", {**settings, "window_size": 8, "num_sink_tokens": 4})
+    absolute = llama.convert(source, "hybrid", {**settings, "window_size": 8, "num_sink_tokens": 4,
+                                                "sink_positions": "absolute"})
+    prompt = ids[:1, :30]
+    with torch.no_grad():
+        assert max_difference(narrow(prompt).logits, absolute(prompt).logits) > 1e-6
+        out = narrow.generate(prompt, max_new_tokens=6, do_sample=False)
+        full = narrow(out).logits[:, prompt.shape[1] - 1:-1].argmax(-1)
+    assert torch.equal(out[:, prompt.shape[1]:], full)

@@ -12,6 +12,12 @@ cuts the sequence into blocks of `window_size` queries; each block's keys are it
 in bidirectional layers, the one after) and the sinks, so memory and time are O(length * (2 * window + sinks)). A
 sink that is also inside a query's window is counted once (in the window). Decoding keeps the sinks and a ring of
 the last `window_size` tokens: S + W keys and values per layer, whatever the context length.
+
+In rotary models a query at position p sees a sink p tokens back, so at p beyond the training length the window part
+meets rotary distances it never saw in training, through the sinks alone. With `sink_positions="adjacent"` the
+queries score the sinks rotated at min(p, W + S - 1) instead (`sink_queries`): the sinks sit just before the window
+(distances W .. W + S - 1 for a sink outside it), StreamingLLM's positions within the cache (arXiv 2309.17453,
+section 3.2), and every near distance stays below W + S at any length. The keys are rotated as always.
 """
 
 from __future__ import annotations
@@ -46,6 +52,36 @@ def outside_window(query_pos, key_pos, window: int):
 def beyond_window(query_pos, key_pos, window: int, sinks: int):
     """Whether an earlier key at `key_pos` is far from a query at `query_pos`: before its window and not a sink."""
     return outside_window(query_pos, key_pos, window) & (key_pos >= sinks)
+
+
+def sink_queries(module, q, position_ids, past):
+    """The queries as they score the sinks: `q` [B, H, L, d] before rotation, rotated at min(position, W + S - 1)
+    (`position_ids`, real positions, or `past, past + 1, ...`) when the module's `sink_positions` is "adjacent" (see
+    the module docstring); None when the sinks are scored by the rotated queries themselves."""
+    if module.sink_positions != "adjacent" or module.rotary is None or not module.sinks:
+        return None
+    if position_ids is None:
+        position_ids = (past + torch.arange(q.shape[2], device=q.device))[None]
+    nearest = module.window_size + module.sinks - 1
+    return module.rotate(q, module.rotation(position_ids.clamp(max=nearest), past, q.shape[2], q.device, q.dtype))
+
+
+def dense_sink_scores(scores, sink_q, keys, valid, window: int, sinks: int, scale: float):
+    """Dense scores [B, H, L, L] (queries and keys in the tokens' own order) with each sink column that a query
+    attends to as a sink (before its window) scored by `sink_q` instead: the references' form of `sink_queries`."""
+    if sink_q is None:
+        return scores
+    pos = valid.long().cumsum(-1) - 1
+    as_sink = (pos[:, None, :] < sinks) & outside_window(pos[:, :, None], pos[:, None, :], window)  # [B, L, L]
+    return torch.where(as_sink[:, None], (sink_q @ keys.transpose(-1, -2)) * scale, scores)
+
+
+def ring_scores(q, sink_q, keys, sinks: int):
+    """q [B, H, 1, d] against the ring's keys [B, H, S + W, d] (sinks first), the sink columns by `sink_q` when
+    given (unscaled)."""
+    if sink_q is None:
+        return q @ keys.transpose(-1, -2)
+    return torch.cat([sink_q @ keys[:, :, :sinks].transpose(-1, -2), q @ keys[:, :, sinks:].transpose(-1, -2)], -1)
 
 
 def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,15 +131,17 @@ def restore_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x).scatter_(2, order[:, None, :, None].expand_as(x), x)
 
 
-def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale: float):
+def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale: float, sink_q=None):
     """The blocked window-with-sinks scores of left-aligned q, k, v [B, H, L, d] with `n_real` [B] real tokens:
     (scores [B, H, blocks, window, keys] with disallowed keys at the dtype's most negative value, values
     [B, H, blocks, keys, d]). Block c's keys are the sinks, then blocks c - 1 and c (and c + 1 when not causal); a
     sink inside a query's window is counted in the window only; a padded query with nothing to see gets its own
-    key. Query rows past L (up to `blocks * window`) are padding."""
+    key. Query rows past L (up to `blocks * window`) are padding. `sink_q` (left-aligned as q): the queries that
+    score the sink columns (`sink_queries`), when not q."""
     batch, heads, _, dim = q.shape
     w = window
     q, k, v = (pad_to_multiple(x, w, dim=2) for x in (q, k, v))
+    sink_q = q if sink_q is None else pad_to_multiple(sink_q, w, dim=2)
     blocks = q.shape[2] // w
     device = q.device
     position = torch.arange(blocks * w, device=device)
@@ -132,11 +170,14 @@ def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale:
         sink_gap = query_pos[:, :, None] - sink_pos  # [blocks, w, S]
         far = outside_window(query_pos[:, :, None], sink_pos, w) if causal else sink_gap.abs() >= w
         allowed = torch.cat([far[None] & real[:, None, None, :sink_count], allowed], dim=-1)
-        keys = torch.cat([k[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), keys], dim=3)
         values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
         own = torch.cat([torch.zeros_like(far), own], dim=-1)
     allowed = allowed | (~allowed.any(-1, keepdim=True) & own[None])
-    scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys) * scale
+    scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys)
+    if sink_count:
+        sink_scores = torch.einsum("bhcqd,bhkd->bhcqk", sink_q.view(batch, heads, blocks, w, dim), k[:, :, :sink_count])
+        scores = torch.cat([sink_scores, scores], dim=-1)
+    scores = scores * scale
     return scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0]), values
 
 
@@ -255,6 +296,7 @@ class SlidingWindowAttention(ZooAttention):
         self.build_projections()
         self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
+        self.sink_positions = config.sink_positions
         self.dropout = config.attention_probs_dropout_prob
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
@@ -262,44 +304,48 @@ class SlidingWindowAttention(ZooAttention):
         return WindowStateLayer(self.window_size, self.sinks)
 
     def _project(self, hidden_states, position_ids, past):
+        """(q, k, v, sink_q): the rotated queries and keys, the values, and the queries that score the sinks
+        (`sink_queries`: None when they are q)."""
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
-        return self.rotate(q, rotation), self.rotate(k, rotation), v
+        return self.rotate(q, rotation), self.rotate(k, rotation), v, sink_queries(self, q, position_ids, past)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
         length = hidden_states.shape[1]
-        q, k, v = self._project(hidden_states, position_ids, past)
+        q, k, v, sink_q = self._project(hidden_states, position_ids, past)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer)
+            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
+                                        None if sink_q is None else sink_q[:, :, t:t + 1])
                              for t in range(length)], dim=2)
         else:
-            out = self._parallel(q, k, v, valid, layer)
+            out = self._parallel(q, k, v, valid, layer, sink_q)
         return self.o_proj(self.merge_heads(out))
 
     # -- the parallel form ----------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, valid, layer=None):
+    def _parallel(self, q, k, v, valid, layer=None, sink_q=None):
         batch, heads, length, dim = q.shape
         order = left_align(valid)
         q, k, v = gather_tokens(q, order), gather_tokens(k, order), gather_tokens(v, order)
+        sink_q = None if sink_q is None else gather_tokens(sink_q, order)
         n_real = valid.sum(-1)
         if layer is not None:
             layer.start(k, v, n_real)
         scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window_size, self.sinks,
-                                       self.causal, self.scale)
+                                       self.causal, self.scale, sink_q)
         probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
         out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, -1, dim)[:, :, :length]
         return restore_order(out, order)
 
     # -- decoding -------------------------------------------------------------------------------------------
-    def _step(self, q, k, v, real, layer: WindowStateLayer):
+    def _step(self, q, k, v, real, layer: WindowStateLayer, sink_q=None):
         """One new token per row (`real` [B]: whether it is a real token): update the sinks and the ring, then attend
         to them. Padded tokens leave the state as it was."""
         position = layer.state["count"]  # [B]: this token's position when real
         layer.append(k, v, real)
         keys, values, allowed = layer.visible(position)
-        scores = (q @ self.expand_kv(keys).transpose(-1, -2)) * self.scale
+        scores = ring_scores(q, sink_q, self.expand_kv(keys), self.sinks) * self.scale
         probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
         return probs @ self.expand_kv(values)
 
@@ -312,7 +358,7 @@ class SlidingWindowAttention(ZooAttention):
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v = self._project(hidden_states, position_ids, 0)
+        q, k, v, sink_q = self._project(hidden_states, position_ids, 0)
         k, v = self.expand_kv(k), self.expand_kv(v)
         if self.causal:
             allowed, _ = dense_near_and_far(valid, self.window_size, self.sinks)
@@ -321,6 +367,7 @@ class SlidingWindowAttention(ZooAttention):
             gap = pos[:, :, None] - pos[:, None, :]
             allowed = ((gap.abs() < self.window_size) | (pos[:, None, :] < self.sinks)) & valid[:, None, :]
         allowed = allowed | torch.eye(length, dtype=torch.bool, device=q.device)[None] & ~valid[:, :, None]
-        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = dense_sink_scores((q @ k.transpose(-1, -2)) * self.scale, sink_q, k, valid, self.window_size,
+                                   self.sinks, self.scale)
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         return self.o_proj(self.merge_heads(scores.softmax(-1) @ v))

@@ -61,14 +61,17 @@ from attnzoo.modeling.attention.base import (
 from attnzoo.modeling.attention.window import (
     combine,
     dense_near_and_far,
+    dense_sink_scores,
     gather_tokens,
     left_align,
     new_token_inputs,
     restore_order,
     ring_append,
     ring_leaving,
+    ring_scores,
     ring_start,
     ring_visible,
+    sink_queries,
     window_scores,
 )
 from attnzoo.modeling.cache import RecurrentStateLayer
@@ -190,6 +193,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         super().__init__(config, layer_idx, causal, head_dim=getattr(config, field) if field else None)
         self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
+        self.sink_positions = config.sink_positions
         self.far = far_part_class(self, config)
 
     def start_forward(self) -> None:
@@ -209,33 +213,37 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         return None  # the ring and the far states are updated out of place: no static slot yet
 
     def _views(self, hidden_states, position_ids, past):
-        """(q, k, v, q_far, k_far): the near part's rotated queries and keys, the values, and what the far part
-        sees (the same tensors unless `far_positions` says otherwise)."""
+        """(q, k, v, q_far, k_far, sink_q): the near part's rotated queries and keys, the values, what the far part
+        sees (the same tensors unless `far_positions` says otherwise) and the queries that score the sinks
+        (`window.sink_queries`: None when they are q)."""
         q, k, v = self.far.project(hidden_states)
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
         q_rotated, k_rotated = self.rotate(q, rotation), self.rotate(k, rotation)
-        return (q_rotated, k_rotated, v, *self.far_view(q, k, q_rotated, k_rotated, position_ids, past))
+        return (q_rotated, k_rotated, v, *self.far_view(q, k, q_rotated, k_rotated, position_ids, past),
+                sink_queries(self, q, position_ids, past))
 
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        q, k, v, q_far, k_far = self._views(hidden_states, position_ids, past)
+        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, past)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
             far_k = None if k_far is k else k_far
             out = torch.cat([self._step(*(x[:, :, t:t + 1] for x in (q, k, v, q_far)), valid[:, t], layer,
-                                        None if far_k is None else far_k[:, :, t:t + 1])
+                                        None if far_k is None else far_k[:, :, t:t + 1],
+                                        None if sink_q is None else sink_q[:, :, t:t + 1])
                              for t in range(hidden_states.shape[1])], dim=2)
         else:
-            out = self._parallel(q, k, v, q_far, k_far, valid, layer, recompute)
+            out = self._parallel(q, k, v, q_far, k_far, valid, layer, recompute, sink_q)
         return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
 
     # -- the parallel form -----------------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute):
+    def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute, sink_q=None):
         batch, heads, length, _ = q.shape
         w = self.window_size
         order = left_align(valid)
         far_q = None if q_far is q else gather_tokens(q_far, order)
         far_k = None if k_far is k else gather_tokens(k_far, order)
+        sink_q = None if sink_q is None else gather_tokens(sink_q, order)
         q, k, v = (gather_tokens(x, order) for x in (q, k, v))
         n_real = valid.sum(-1)
         far = self.far.parallel(q if far_q is None else far_q, k if far_k is None else far_k, v, n_real, recompute,
@@ -243,7 +251,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         if layer is not None:
             layer.store(length, **ring_start(k, v, n_real, w, self.sinks, far_k))
         scores, values = window_scores(q, self.far.near_keys(k), self.expand_kv(v), n_real, w, self.sinks, True,
-                                       self.far.scale)  # [B, H, blocks, w, keys]
+                                       self.far.scale, sink_q)  # [B, H, blocks, w, keys]
         blocks, num_keys = scores.shape[2], scores.shape[-1]
         if self.far.penalises_own_key:  # block row i's own key is window column w + i, after the sink columns
             own_column = min(self.sinks, blocks * w) + w + torch.arange(w, device=q.device)
@@ -256,10 +264,11 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         return restore_order(out.reshape(batch, heads, blocks * w, -1)[:, :, :length], order)
 
     # -- decoding --------------------------------------------------------------------------------------------------
-    def _step(self, q, k, v, q_far, real, layer, far_k=None):
+    def _step(self, q, k, v, q_far, real, layer, far_k=None, sink_q=None):
         """One new token per row (`real` [B]: whether it is a real token): the key leaving the window goes to the far
         part, the token joins the ring, and it attends to the sinks and window exactly and to the far part.
-        `far_k`: the key as the far part sees it, when that is not `k`."""
+        `far_k`: the key as the far part sees it, when that is not `k`; `sink_q`: the query that scores the sinks,
+        when that is not `q`."""
         state = layer.state
         position = state["count"]  # [B]: this token's position when real
         leaving = ring_leaving(state, real, self.window_size, self.sinks)
@@ -267,7 +276,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         keys, values, allowed = ring_visible({**state, **ring}, position, self.window_size, self.sinks)
         far = self.far.step(layer, q_far, k if far_k is None else far_k, v, real, position, leaving)
         layer.store(1, **ring)
-        scores = (q @ self.far.near_keys(keys).transpose(-1, -2)) * self.far.scale
+        scores = ring_scores(q, sink_q, self.far.near_keys(keys), self.sinks) * self.far.scale
         masked_value, own_value = mask_values(scores.dtype)
         scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
         if self.far.penalises_own_key:  # the ring's last key is the token itself
@@ -282,11 +291,13 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v, q_far, k_far = self._views(hidden_states, position_ids, 0)
+        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, 0)
         near, far = dense_near_and_far(valid, self.window_size, self.sinks)
         own = torch.eye(length, dtype=torch.bool, device=q.device)
         near = near | (own[None] & ~valid[:, :, None])
-        scores = (q @ self.far.near_keys(k).transpose(-1, -2)) * self.far.scale
+        near_keys = self.far.near_keys(k)
+        scores = dense_sink_scores((q @ near_keys.transpose(-1, -2)) * self.far.scale, sink_q, near_keys, valid,
+                                   self.window_size, self.sinks, self.far.scale)
         if self.far.penalises_own_key:
             scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
         out = combine(scores.masked_fill(~near[:, None], float("-inf")), self.expand_kv(v),

@@ -64,6 +64,11 @@ def test_a_model_that_retrieves_at_4x_and_16x_with_a_small_state_meets_the_goal(
     summary = bench.summarise(report)
     assert summary["meets_goal"] == ["good"]
     assert summary["rows"]["window"]["lm_eval_recovery"] == pytest.approx((0.8 + 1 + 1) / 3)
+    # the window with adjacent sinks scores higher: the bar is the higher of the two windows
+    report["models"]["window_adjacent_sinks"] = entry([0.0, 0.0, 0.0], [1.6, 1.6, 1.6], [10, 10, 10], endings=0.55)
+    assert bench.summarise(report)["meets_goal"] == []
+    report["models"]["window_adjacent_sinks"] = entry([0.0, 0.0, 0.0], [1.6, 1.6, 1.6], [10, 10, 10], endings=0.45)
+    assert bench.summarise(report)["meets_goal"] == ["good"]
     del report["models"]["window"]  # nothing to hold the lm-eval figure against: not met
     assert bench.summarise(report)["meets_goal"] == []
 

@@ -88,12 +88,15 @@ def test_every_readme_code_block_runs(tmp_path):
     assert "| 4096 tokens |" in card
 
     # Long context: the iRoPE pattern trained with a dense global layer on passkey sequences beyond the window
-    # (answers weighted), that layer made LSH with 8 hash rounds and buckets for 4,096 tokens and fine-tuned, then
-    # measured at 16x its training length.
+    # (answers weighted), that layer made LSH with 8 hash rounds and buckets for 4,096 tokens and fine-tuned, its
+    # sinks then made adjacent, and measured at 16x its training length.
     for line in long_context.strip().splitlines():
         run_command(line, tmp_path)
-    config = json.loads((tmp_path / "runs" / "irope-lsh-tuned" / "config.json").read_text())
+    config = json.loads((tmp_path / "runs" / "irope-lsh-long" / "config.json").read_text())
     assert config["attn_layers"][-1] == "lsh_window" and config["far_positions"][-1] == "none"
     assert (config["lsh_num_hashes"], config["lsh_num_buckets"], config["max_position_embeddings"]) == (8, 256, 4096)
-    found = json.loads((tmp_path / "runs" / "irope-lsh-tuned" / "passkey.json").read_text())
-    assert set(found["models"]["irope-lsh-tuned"]["accuracy"]) == {"256", "1024", "4096"}
+    assert config["sink_positions"] == "adjacent"
+    tuned = json.loads((tmp_path / "runs" / "irope-lsh-tuned" / "config.json").read_text())
+    assert tuned["sink_positions"] == "absolute"
+    found = json.loads((tmp_path / "runs" / "irope-lsh-long" / "passkey.json").read_text())
+    assert set(found["models"]["irope-lsh-long"]["accuracy"]) == {"256", "1024", "4096"}

@@ -50,7 +50,7 @@ class ZooWindowSettings(ZooConfig):
 class ZooWindowConfig(ZooWindowSettings):
     """Window-with-sinks attention on the shared backbone.
 
-    Args beyond `ZooConfig`: `ZooWindowSettings`' (`window_size`, `num_sink_tokens`), and
+    Args beyond `ZooConfig`: `ZooWindowSettings`' (`window_size`, `num_sink_tokens`, `sink_positions`), and
         attn_layers: "window" layers (or "full" for exact ones, e.g. `["window", "window", "window", "full"]`).
     """
 

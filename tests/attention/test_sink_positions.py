@@ -40,6 +40,37 @@ def test_adjacent_sinks_equal_the_dense_reference_with_padding(name, far_positio
     torch.testing.assert_close(fast[1, 5:], alone[0], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("window, sinks", [(2, 6), (1, 4), (1, 1)])
+@pytest.mark.parametrize("name", ["window", "favor_window", "lsh_window_shared_qk"])
+def test_adjacent_sinks_with_more_sinks_than_window_or_a_one_token_window(name, window, sinks):
+    kind, settings = KINDS[name]
+    attn = layer(kind, settings, sink_positions="adjacent", window_size=window, num_sink_tokens=sinks)
+    x, mask, positions = left_padded()
+    fast = attn(x, attention_mask=mask, position_ids=positions)
+    reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
+    assert_same_values_and_gradients(attn, x, mask, fast, reference)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], sink_positions="adjacent", window_size=window,
+                                                    num_sink_tokens=sinks, **settings)).double().eval()
+    assert_decoding_equals_the_full_forward(model, length=16, prefill=3, padding=2)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_adjacent_sinks_depend_on_real_positions_not_on_where_rotary_positions_start(name):
+    """Rotary positions shifted by 100 (an offset a caller passes), or counted over the padding (a padded row without
+    position_ids), leave every relative distance as it was: the sinks stay just before the window."""
+    kind, settings = KINDS[name]
+    attn = layer(kind, {**settings, "far_positions": ["rotary" if kind == "window" else "none"]},
+                 sink_positions="adjacent")
+    x, mask, positions = left_padded()
+    with torch.no_grad():
+        counted = attn(x, attention_mask=mask, position_ids=positions)
+        shifted = attn(x, attention_mask=mask, position_ids=positions + 100)
+        over_padding = attn(x, attention_mask=mask)  # positions 0, 1, ... over the pads of row 1
+    torch.testing.assert_close(shifted[mask], counted[mask], rtol=1e-6, atol=1e-7)  # float32 angles
+    torch.testing.assert_close(over_padding[mask], counted[mask], rtol=1e-6, atol=1e-7)
+
+
 def test_adjacent_sinks_in_a_bidirectional_window_equal_the_dense_reference():
     attn = layer("window", KINDS["window"][1], causal=False, sink_positions="adjacent")
     x, mask, positions = left_padded()

@@ -17,7 +17,9 @@ In rotary models a query at position p sees a sink p tokens back, so at p beyond
 meets rotary distances it never saw in training, through the sinks alone. With `sink_positions="adjacent"` the
 queries score the sinks rotated at min(p, W + S - 1) instead (`sink_queries`): the sinks sit just before the window
 (distances W .. W + S - 1 for a sink outside it), StreamingLLM's positions within the cache (arXiv 2309.17453,
-section 3.2), and every near distance stays below W + S at any length. The keys are rotated as always.
+section 3.2), and every near distance stays below W + S at any length. The keys are rotated as always; p counts
+real tokens, so rotary positions that do not start at 0 (an offset, or a padded row without `position_ids`) move
+the sinks with them.
 """
 
 from __future__ import annotations
@@ -54,16 +56,25 @@ def beyond_window(query_pos, key_pos, window: int, sinks: int):
     return outside_window(query_pos, key_pos, window) & (key_pos >= sinks)
 
 
-def sink_queries(module, q, position_ids, past):
-    """The queries as they score the sinks: `q` [B, H, L, d] before rotation, rotated at min(position, W + S - 1)
-    (`position_ids`, real positions, or `past, past + 1, ...`) when the module's `sink_positions` is "adjacent" (see
-    the module docstring); None when the sinks are scored by the rotated queries themselves."""
+def real_positions(layer, valid: torch.Tensor) -> torch.Tensor:
+    """[B, L] each new token's position counted in real tokens (`valid` [B, L]), after the real tokens the cache
+    slot `layer` already holds (None or empty: none)."""
+    before = layer.state["count"][:, None] if layer is not None and layer.state else 0
+    return before + valid.long().cumsum(-1) - 1
+
+
+def sink_queries(module, q, position_ids, past, real_pos):
+    """The queries as they score the sinks: `q` [B, H, L, d] before rotation, rotated when the module's
+    `sink_positions` is "adjacent" (see the module docstring) at their rotary positions (`position_ids`, or `past,
+    past + 1, ...`) moved back by max(0, real_pos - (W + S - 1)), `real_pos` [B, L] counting real tokens: a query
+    then sees its row's first real token, whatever rotary position that has, at most W + S - 1 tokens back. None
+    when the sinks are scored by the rotated queries themselves."""
     if module.sink_positions != "adjacent" or module.rotary is None or not module.sinks:
         return None
     if position_ids is None:
         position_ids = (past + torch.arange(q.shape[2], device=q.device))[None]
-    nearest = module.window_size + module.sinks - 1
-    return module.rotate(q, module.rotation(position_ids.clamp(max=nearest), past, q.shape[2], q.device, q.dtype))
+    beyond = (real_pos - (module.window_size + module.sinks - 1)).clamp(min=0)
+    return module.rotate(q, module.rotation(position_ids - beyond, past, q.shape[2], q.device, q.dtype))
 
 
 def dense_sink_scores(scores, sink_q, keys, valid, window: int, sinks: int, scale: float):
@@ -303,17 +314,18 @@ class SlidingWindowAttention(ZooAttention):
     def new_cache_layer(self):
         return WindowStateLayer(self.window_size, self.sinks)
 
-    def _project(self, hidden_states, position_ids, past):
+    def _project(self, hidden_states, position_ids, past, real_pos):
         """(q, k, v, sink_q): the rotated queries and keys, the values, and the queries that score the sinks
         (`sink_queries`: None when they are q)."""
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
-        return self.rotate(q, rotation), self.rotate(k, rotation), v, sink_queries(self, q, position_ids, past)
+        return (self.rotate(q, rotation), self.rotate(k, rotation), v,
+                sink_queries(self, q, position_ids, past, real_pos))
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
         length = hidden_states.shape[1]
-        q, k, v, sink_q = self._project(hidden_states, position_ids, past)
+        q, k, v, sink_q = self._project(hidden_states, position_ids, past, real_positions(layer, valid))
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
             out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
@@ -358,7 +370,7 @@ class SlidingWindowAttention(ZooAttention):
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v, sink_q = self._project(hidden_states, position_ids, 0)
+        q, k, v, sink_q = self._project(hidden_states, position_ids, 0, real_positions(None, valid))
         k, v = self.expand_kv(k), self.expand_kv(v)
         if self.causal:
             allowed, _ = dense_near_and_far(valid, self.window_size, self.sinks)

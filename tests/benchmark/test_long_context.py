@@ -79,7 +79,11 @@ def test_retrieval_is_dated_by_the_loss_gap_to_the_window_floor():
     report["models"]["window"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]), "train_loss_by_step": floor}
     report["models"]["good"]["train_loss_by_step"] = [[100, 0.9], [200, 0.75], [300, 0.6], [400, 0.35]]
     report["models"]["big"]["train_loss_by_step"] = [[100, 0.9], [200, 0.8], [300, 0.7], [400, 0.69]]  # 0.08 below
+    # a run with another answer weight logs its loss on another scale: not dated against the floor
+    report["models"]["unweighted"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]), "answer_weight": 1.0,
+                                      "train_loss_by_step": [[100, 0.5], [200, 0.4]]}
     rows = bench.summarise(report)["rows"]
+    assert "learns_retrieval_at_step" not in rows["unweighted"]
     assert rows["good"]["learns_retrieval_at_step"] == 300  # 0.18 below the floor's 0.78; 0.05 at step 200
     assert rows["big"]["learns_retrieval_at_step"] is None
     assert "learns_retrieval_at_step" not in rows["window"] and "learns_retrieval_at_step" not in rows["source"]

@@ -88,7 +88,7 @@ def test_far_kernel_is_an_unbiased_estimate_of_the_softmax_weights():
     x = torch.randn(1, 10, 32, dtype=torch.float64) * 0.5
     torch.manual_seed(2)
     with torch.no_grad():
-        q, k, v, _, _, _ = attn._views(x.expand(draws, -1, -1), None, 0, None)
+        q, k, v, _, _, _ = attn._views(x.expand(draws, -1, -1), None, 0)
         k, v = attn.expand_kv(k), attn.expand_kv(v)
         log_a, log_k = attn.far.reference_terms(q, k, v, torch.ones(draws, 10, dtype=torch.bool))
         kernel = torch.exp(log_a[:, :, :, None, :] + log_k[:, :, None, :, :]).sum(-1)  # [draws, H, L, L]

@@ -67,7 +67,7 @@ def candidates_beyond_the_window(attn, buckets, mask):
 
 def window_and_sinks_only(attn, x, mask, positions):
     """The layer without its far part: shared-QK softmax over the window and the sinks, own key penalised."""
-    qk, _, v, _, _, _ = attn._views(x, positions, 0, None)
+    qk, _, v, _, _, _ = attn._views(x, positions, 0)
     v = attn.expand_kv(v)
     position = mask.long().cumsum(-1) - 1
     gap = position[:, :, None] - position[:, None, :]
@@ -152,7 +152,7 @@ def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(1, 48, 32, dtype=torch.float64, generator=generator)
     x[0, 40] = x[0, 5] = 400 * torch.randn(32, dtype=torch.float64, generator=generator)
-    _, _, v, _, _, _ = attn._views(x, None, 0, None)
+    _, _, v, _, _, _ = attn._views(x, None, 0)
     v = attn.expand_kv(v)
     recalled = attn.output(attn.merge_heads(v[:, :, 5:6]))[0, 0]
     mask = torch.ones(1, 48, dtype=torch.bool)

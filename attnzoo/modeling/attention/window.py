@@ -63,17 +63,19 @@ def real_positions(layer, valid: torch.Tensor) -> torch.Tensor:
     return before + valid.long().cumsum(-1) - 1
 
 
-def sink_queries(module, q, position_ids, past, real_pos):
+def sink_queries(module, q, position_ids, past, layer=None, valid=None):
     """The queries as they score the sinks: `q` [B, H, L, d] before rotation, rotated when the module's
     `sink_positions` is "adjacent" (see the module docstring) at their rotary positions (`position_ids`, or `past,
-    past + 1, ...`) moved back by max(0, real_pos - (W + S - 1)), `real_pos` [B, L] counting real tokens: a query
-    then sees its row's first real token, whatever rotary position that has, at most W + S - 1 tokens back. None
-    when the sinks are scored by the rotated queries themselves."""
+    past + 1, ...`) moved back by max(0, p - (W + S - 1)), p counting real tokens (`real_positions(layer, valid)`;
+    `valid` None: every token real): a query then sees its row's first real token, whatever rotary position that
+    has, at most W + S - 1 tokens back. None when the sinks are scored by the rotated queries themselves."""
     if module.sink_positions != "adjacent" or module.rotary is None or not module.sinks:
         return None
     if position_ids is None:
         position_ids = (past + torch.arange(q.shape[2], device=q.device))[None]
-    beyond = (real_pos - (module.window_size + module.sinks - 1)).clamp(min=0)
+    if valid is None:
+        valid = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+    beyond = (real_positions(layer, valid) - (module.window_size + module.sinks - 1)).clamp(min=0)
     return module.rotate(q, module.rotation(position_ids - beyond, past, q.shape[2], q.device, q.dtype))
 
 
@@ -314,18 +316,18 @@ class SlidingWindowAttention(ZooAttention):
     def new_cache_layer(self):
         return WindowStateLayer(self.window_size, self.sinks)
 
-    def _project(self, hidden_states, position_ids, past, real_pos):
+    def _project(self, hidden_states, position_ids, past, layer=None, valid=None):
         """(q, k, v, sink_q): the rotated queries and keys, the values, and the queries that score the sinks
         (`sink_queries`: None when they are q)."""
         q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
         return (self.rotate(q, rotation), self.rotate(k, rotation), v,
-                sink_queries(self, q, position_ids, past, real_pos))
+                sink_queries(self, q, position_ids, past, layer, valid))
 
     def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
         length = hidden_states.shape[1]
-        q, k, v, sink_q = self._project(hidden_states, position_ids, past, real_positions(layer, valid))
+        q, k, v, sink_q = self._project(hidden_states, position_ids, past, layer, valid)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
             out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
@@ -370,7 +372,7 @@ class SlidingWindowAttention(ZooAttention):
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v, sink_q = self._project(hidden_states, position_ids, 0, real_positions(None, valid))
+        q, k, v, sink_q = self._project(hidden_states, position_ids, 0, None, valid)
         k, v = self.expand_kv(k), self.expand_kv(v)
         if self.causal:
             allowed, _ = dense_near_and_far(valid, self.window_size, self.sinks)

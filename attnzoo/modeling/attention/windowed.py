@@ -65,7 +65,6 @@ from attnzoo.modeling.attention.window import (
     gather_tokens,
     left_align,
     new_token_inputs,
-    real_positions,
     restore_order,
     ring_append,
     ring_leaving,
@@ -213,7 +212,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
     def new_static_cache_layer(self, max_cache_len: int):
         return None  # the ring and the far states are updated out of place: no static slot yet
 
-    def _views(self, hidden_states, position_ids, past, real_pos):
+    def _views(self, hidden_states, position_ids, past, layer=None, valid=None):
         """(q, k, v, q_far, k_far, sink_q): the near part's rotated queries and keys, the values, what the far part
         sees (the same tensors unless `far_positions` says otherwise) and the queries that score the sinks
         (`window.sink_queries`: None when they are q)."""
@@ -221,11 +220,11 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
         q_rotated, k_rotated = self.rotate(q, rotation), self.rotate(k, rotation)
         return (q_rotated, k_rotated, v, *self.far_view(q, k, q_rotated, k_rotated, position_ids, past),
-                sink_queries(self, q, position_ids, past, real_pos))
+                sink_queries(self, q, position_ids, past, layer, valid))
 
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, past, real_positions(layer, valid))
+        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, past, layer, valid)
         if layer is not None and layer.state:
             # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
             far_k = None if k_far is k else k_far
@@ -292,7 +291,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         key_mask = check_attention_mask(attention_mask, batch, length)
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
-        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, 0, real_positions(None, valid))
+        q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, 0, None, valid)
         near, far = dense_near_and_far(valid, self.window_size, self.sinks)
         own = torch.eye(length, dtype=torch.bool, device=q.device)
         near = near | (own[None] & ~valid[:, :, None])

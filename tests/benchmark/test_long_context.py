@@ -1,10 +1,11 @@
 """benchmarks/long_context.py: the summary against the goal, the distance buckets, the tables written from the
-results file (no figure typed by hand), the argument checks; a tiny end-to-end run (slow) trains, evaluates and
-reuses its cached runs."""
+results file (no figure typed by hand), the argument checks, the figures of absent runs reused from the results; a
+tiny end-to-end run (slow) trains, evaluates and reuses its cached runs and, in a fresh checkout, its results."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -82,10 +83,17 @@ def test_retrieval_is_dated_by_the_loss_gap_to_the_window_floor():
     # a run with another answer weight logs its loss on another scale: not dated against the floor
     report["models"]["unweighted"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]), "answer_weight": 1.0,
                                       "train_loss_by_step": [[100, 0.5], [200, 0.4]]}
+    # below the floor early only (learning the text faster), then level with it: not dated
+    report["models"]["early"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]),
+                                 "train_loss_by_step": [[100, 0.7], [200, 0.79], [300, 0.77], [400, 0.76]]}
+    # below, above once, below again to the end: dated from the last time it went below
+    report["models"]["late"] = {**model_entry([0, 0, 0], [1.6, 1.6, 1.6], [10, 10, 10]),
+                                "train_loss_by_step": [[100, 0.7], [200, 0.75], [300, 0.6], [400, 0.5]]}
     rows = bench.summarise(report)["rows"]
     assert "learns_retrieval_at_step" not in rows["unweighted"]
     assert rows["good"]["learns_retrieval_at_step"] == 300  # 0.18 below the floor's 0.78; 0.05 at step 200
     assert rows["big"]["learns_retrieval_at_step"] is None
+    assert rows["early"]["learns_retrieval_at_step"] is None and rows["late"]["learns_retrieval_at_step"] == 300
     assert "learns_retrieval_at_step" not in rows["window"] and "learns_retrieval_at_step" not in rows["source"]
     report["summary"] = bench.summarise(report)
     text = bench.table(report)
@@ -149,6 +157,61 @@ def test_an_interrupted_run_of_the_same_command_resumes_and_any_other_starts_ove
     assert bench.start_or_resume("source", empty, command, args) == ["--overwrite_output_dir"]
 
 
+def recorded_results(tmp_path, args_list):
+    """A results file as the benchmark writes it, for the setup `args_list` gives, holding three models."""
+    args = bench.build_parser().parse_args(args_list)
+    setup = {k: (str(v) if isinstance(v, bench.Path) else v) for k, v in vars(args).items()
+             if k not in ("retrain", "readme_only", "results", "models")}
+    weight = args.passkey_answer_weight
+    models = {"source": {"answer_weight": weight, "mark": "source"}, "source_linear": {"mark": "linear"},
+              "window": {"answer_weight": weight, "mark": "window"},
+              "window_adjacent_sinks": {"variant_of": "window", "inference_settings": {"sink_positions": "adjacent"},
+                                        "mark": "adjacent"}}
+    designs = {n: list(bench.DESIGNS[bench.design_of(n)][:2]) for n in ("source", "window", "window_adjacent_sinks")}
+    commands = ["scripts/train_lm.py --family softmax --output_dir runs/long_context/source",
+                "scripts/evaluate.py --model_name_or_path runs/long_context/source --output_file "
+                "runs/long_context/lm_eval/source/lm_eval.json",
+                "scripts/train_lm.py --family window --output_dir runs/long_context/window",
+                "AutoModelForCausalLM.from_pretrained('runs/long_context/window', **{}).save_pretrained("
+                "'runs/long_context/window_adjacent_sinks')"]
+    args.results.write_text(json.dumps({"setup": setup, "designs": designs, "models": models, "commands": commands}))
+    return args, setup
+
+
+def test_figures_of_models_whose_runs_are_absent_are_reused_from_the_results(tmp_path):
+    flags = ["--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
+    args, setup = recorded_results(tmp_path, flags)
+    names = ["source", "window", "window_adjacent_sinks", "irope_softmax"]
+    reused, commands = bench.reusable_records(args, setup, names)
+    # a fresh checkout: every recorded model is reused; the one not recorded is computed
+    assert set(reused) == {"source", "source_linear", "window", "window_adjacent_sinks"}
+    assert reused["source"]["mark"] == "source" and len(commands) == 4
+    assert [bench.command_writes(c) for c in commands] == ["source", "source", "window", "window_adjacent_sinks"]
+    assert bench.command_writes("-m attnzoo.convert.attention runs/x/source runs/x/converted/window_converted "
+                                "--family window") == "window_converted"
+    # a run of the benchmark's in --output_dir (finished or started) is read or resumed, not taken from the results
+    (tmp_path / "runs" / "records").mkdir(parents=True)
+    (tmp_path / "runs" / "records" / "window_command.json").write_text("[]")
+    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear", "window_adjacent_sinks"}
+    # a variant computed needs its trained model's weights: that one is computed too
+    (tmp_path / "runs" / "records" / "window_command.json").unlink()
+    (tmp_path / "runs" / "records" / "window_adjacent_sinks_started.json").write_text("{}")
+    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear"}
+    (tmp_path / "runs" / "records" / "window_adjacent_sinks_started.json").unlink()
+    # another setup, another design under the name, other inference settings or --retrain: nothing of it reused
+    assert bench.reusable_records(args, {**setup, "steps": 10}, names) == ({}, [])
+    recorded = json.loads(args.results.read_text())
+    recorded["designs"]["window"] = ["window", ["window_size=64"]]
+    recorded["models"]["window_adjacent_sinks"]["inference_settings"] = {"sink_positions": "absolute"}
+    args.results.write_text(json.dumps(recorded))
+    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear"}
+    del recorded["models"]["source_linear"]  # the source comes with its rope-scaling rows or is computed
+    args.results.write_text(json.dumps(recorded))
+    assert bench.reusable_records(args, setup, names)[0] == {}
+    args.retrain = True
+    assert bench.reusable_records(args, setup, names) == ({}, [])
+
+
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())
@@ -184,6 +247,21 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     again = bench.main(argv)  # every run and evaluation is read back, not redone
     assert again["commands"] == report["commands"] and again["models"]["window"] == window
     assert all((tmp_path / "runs" / n / "model.safetensors").stat().st_mtime == t for n, t in stamps.items())
+    # a fresh checkout (the results, no runs): every figure is reused from the results, nothing is trained ...
+    kept = tmp_path / "kept_runs"
+    (tmp_path / "runs").rename(kept)
+    fresh = bench.main(argv)
+    assert fresh["models"] == again["models"] and fresh["commands"] == again["commands"]
+    assert not (tmp_path / "runs").exists()
+    # ... and a model added to it trains alone, unless it needs a trained model's weights
+    models_end = argv.index("--finetune_steps")
+    added = bench.main([*argv[:models_end], "window_adjacent_sinks", *argv[models_end:]])
+    assert added["models"]["source"] == again["models"]["source"]  # reused
+    assert (tmp_path / "runs" / "window" / "model.safetensors").is_file()  # retrained: the variant reads it
+    assert not (tmp_path / "runs" / "source").exists()
+    assert added["models"]["window_adjacent_sinks"]["inference_settings"] == {"sink_positions": "adjacent"}
+    shutil.rmtree(tmp_path / "runs")
+    kept.rename(tmp_path / "runs")
     changed = bench.main([*argv[:argv.index("--steps") + 1], "4", *argv[argv.index("--steps") + 2:]])
     assert changed["models"]["window"]["train_steps"] == 4  # other settings retrain, in the same folder
     # a retrained source is converted and fine-tuned again

@@ -683,11 +683,19 @@ def plot(report: dict, path: Path) -> None:
     right.set_xscale("log", base=2)
     right.set_xlabel("position bucket end (x L)")
     right.set_title("held-out bits/dim by position")
+    # one legend for the three panels (a model has one colour in all of them), below them: with some 30 models a
+    # legend inside each panel would cover its lines
+    legend = {}
     for ax in (left, right, curves):
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:  # a run shorter than the logging interval has no curve
-            ax.legend(fontsize=7)
-    fig.tight_layout()
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    columns = 4
+    rows = -(-len(legend) // columns)
+    fig.set_size_inches(18, 4.8 + 0.22 * rows)
+    fig.tight_layout(rect=(0, 0.22 * rows / (4.8 + 0.22 * rows), 1, 1))
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=columns, fontsize=8, frameon=False)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -471,18 +471,18 @@ def reusable_records(args, setup: dict, names: list[str]) -> tuple[dict, list[st
     if args.retrain or not args.results.is_file():
         return {}, []
     previous = json.loads(args.results.read_text())
-    if previous.get("setup") != json.loads(json.dumps(setup)):
+    as_recorded = lambda value: json.loads(json.dumps(value))  # noqa: E731  (tuples as lists, as the file holds them)
+    if previous.get("setup") != as_recorded(setup):
         return {}, []
     models, designs = previous.get("models", {}), previous.get("designs", {})
 
     def same(name: str) -> bool:
         model = models.get(name)
-        if model is None or designs.get(name) != json.loads(json.dumps(DESIGNS[design_of(name)][:2])):
+        if model is None or designs.get(name) != as_recorded(DESIGNS[design_of(name)][:2]):
             return False
         if name in INFERENCE_VARIANTS:
             trained, rule = INFERENCE_VARIANTS[name]
-            return (model.get("variant_of") == trained
-                    and model.get("inference_settings") == json.loads(json.dumps(rule(args))))
+            return model.get("variant_of") == trained and model.get("inference_settings") == as_recorded(rule(args))
         weight = DESIGNS[design_of(name)][2]
         if model.get("answer_weight") != (args.passkey_answer_weight if weight is None else weight):
             return False
@@ -491,7 +491,7 @@ def reusable_records(args, setup: dict, names: list[str]) -> tuple[dict, list[st
         return model.get("converted_from") == (CONVERSIONS[name][0] if name in CONVERSIONS else None)
 
     def here(name: str) -> bool:  # a finished or started run of the benchmark's in --output_dir
-        return any((args.output_dir / "records" / f"{name}_{kind}.json").is_file() for kind in ("command", "started"))
+        return any(records(args.output_dir, name, kind, make=False).is_file() for kind in ("command", "started"))
 
     computed = [name for name in names if here(name) or not same(name)]
     for name in computed:  # the trained models their weights come from (appended: walked in turn)
@@ -525,10 +525,12 @@ def _run_stamp(folder: Path) -> str:
     return recorded.read_text() if recorded.is_file() else ""
 
 
-def records(output_dir: Path, name: str, kind: str) -> Path:
-    """The benchmark's record of one model (its training command, or its evaluation), in output_dir/records."""
+def records(output_dir: Path, name: str, kind: str, make: bool = True) -> Path:
+    """The benchmark's record of one model (its training command, or its evaluation), in output_dir/records (made
+    unless `make` is False: looking for a record creates nothing)."""
     folder = output_dir / "records"
-    folder.mkdir(parents=True, exist_ok=True)
+    if make:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder / f"{name}_{kind}.json"
 
 
@@ -724,13 +726,10 @@ def main(argv=None) -> dict:
     recorded, recorded_commands = reusable_records(args, setup, names)
     # the figures --results holds for models whose runs are not here go in first, so that every write of the results
     # keeps them (a run stopped midway loses none of them)
-    for name in names:
-        if name in recorded:
-            report["models"][name] = recorded[name]
-            if name == "source":
-                report["models"].update({scaled: recorded[scaled] for scaled in ROPE_SCALING})
-            log.extend(c for c in recorded_commands if command_writes(c) == name)
-            print(f"{name}: reused from {relative(args.results)}", flush=True)
+    report["models"].update(recorded)
+    log.extend(c for c in recorded_commands if command_writes(c) in recorded)
+    for name in recorded:
+        print(f"{name}: reused from {relative(args.results)}", flush=True)
     for name in names:
         if name in recorded:
             continue
@@ -751,8 +750,8 @@ def main(argv=None) -> dict:
     # the models, and their commands, in the order of --models (reused and computed ones alike)
     order = [n for name in names for n in (name, *(ROPE_SCALING if name == "source" else ()))]
     report["models"] = {name: report["models"][name] for name in order}
-    log.sort(key=lambda command: order.index(command_writes(command)) if command_writes(command) in order
-             else len(order))
+    position = {name: i for i, name in enumerate(order)}
+    log.sort(key=lambda command: position.get(command_writes(command), len(order)))  # stable: each model's in turn
     save_report(report, args)
     write_tables(report)
     print(table(report))

@@ -217,7 +217,8 @@ class CausalLARA(CausalLARATerms, LARABase):
         new = torch.cond(finished.any(), self._chunk_proposal, _no_proposal,
                          (counts, state["k_hat"], state["v"], q_sum, k_sum))
         slot = counts // chunk  # the next proposal slot of a row that finished (unused otherwise)
-        fresh = dict(zip(("omega", "mu", "q_bar", "s", "z", "c"), new, strict=True))
+        fresh = dict(zip(("omega_minus_mu", "mu", "q_bar", "s", "z", "c"), new, strict=True))
+        fresh["omega"] = fresh.pop("omega_minus_mu") + fresh["mu"]
         for name, current in {"omega": state["omega"], "mu": state["mu"], "q_bar": state["q_bar"], "s": s, "z": z,
                               "c": c}.items():  # the state's proposals in place, this step's new sums before storing
             index = slot.view(batch, 1, 1, *([1] * (current.dim() - 3))).expand(batch, heads, 1, *current.shape[3:])
@@ -230,15 +231,17 @@ class CausalLARA(CausalLARATerms, LARABase):
 
     def _chunk_proposal(self, counts, keys, values, q_sum, k_sum):
         """For every row, the proposal of the chunk its last `chunk_size` real tokens form (Eq. 34 from their landmark
-        sums) with its prefix sums over the row's `counts` stored keys: (ω, μ, q̄ [B, H, d], s [B, H, e],
+        sums) with its prefix sums over the row's `counts` stored keys: (ω - μ, μ, q̄ [B, H, d], s [B, H, e],
         z, c [B, H]). `_static_step` keeps it for the rows that just completed a chunk."""
         omega, mu, q_bar = self._landmark_proposal(q_sum, k_sum)
-        omega = omega.clone()  # in evaluation the draw is μ itself: a cond branch's outputs must not alias
         valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < counts[:, None]
         log_k = log_features_at(keys, omega.unsqueeze(2)).squeeze(-1).masked_fill(~valid[:, None], float("-inf"))
         c = log_k.amax(-1)
         weights = torch.exp(log_k - c.unsqueeze(-1))
-        proposal = (omega, mu, q_bar, torch.einsum("bhn,bhne->bhe", weights, values), weights.sum(-1), c)
+        # ω is returned as ω - μ, added back by the caller: in evaluation the draw is μ itself, and inductor's CUDA
+        # code for the branch gave both outputs one buffer even through a clone, with wrong steps after it (an H100,
+        # torch 2.11; CPU inductor and aot_eager were right). A difference is never an alias of μ.
+        proposal = (omega - mu, mu, q_bar, torch.einsum("bhn,bhne->bhe", weights, values), weights.sum(-1), c)
         # Dense layouts, as `_no_proposal`'s: the two branches' outputs must have the same strides (with one row,
         # some of these would otherwise come out with others).
         return tuple(x.clone(memory_format=torch.contiguous_format) for x in proposal)

@@ -18,6 +18,7 @@ import attnzoo  # noqa: F401  (registers the Auto classes)
 from attnzoo.modeling.cache import ZooCache
 from attnzoo.registration import AUTO_CLASS_BY_HEAD as AUTO
 from attnzoo.transformers_compat import CACHE_KW, output_cache
+from tests.attention.helpers import named
 
 VOCAB = 61
 
@@ -270,7 +271,7 @@ class FamilySuite:
         torch.testing.assert_close(loss_rev, loss_ref, rtol=0, atol=1e-12)
         assert grads_rev.keys() == grads_ref.keys()
         for name in grads_ref:
-            torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=name)
+            torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=named(name))
 
     @pytest.mark.parametrize("head", [h for h in AUTO if h != "Model"])
     @pytest.mark.parametrize("reversible", [False, True])

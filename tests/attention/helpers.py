@@ -100,3 +100,9 @@ def assert_same_values_and_gradients(attn, x, mask, fast, reference, rtol=1e-10,
             assert a is None and b is None
             continue
         torch.testing.assert_close(a, b, rtol=rtol * 10, atol=atol * 10)
+
+
+def named(name: str):
+    """`msg` for torch.testing.assert_close that puts `name` before its own message (a bare `msg=name` replaces the
+    message, hiding how far apart the tensors were: the first GPU runs reported only a parameter's name)."""
+    return lambda message: f"{name}: {message}"

@@ -28,6 +28,7 @@ from tests.attention.helpers import (
     decoding_model,
     fast_and_reference,
     lm_config,
+    named,
     padding_mask,
 )
 
@@ -224,7 +225,7 @@ def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatc
     (loss_rev, grads_rev), (loss_ref, grads_ref) = results
     torch.testing.assert_close(loss_rev, loss_ref, rtol=0, atol=1e-12)
     for name in grads_ref:
-        torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=name)
+        torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=named(name))
 
 
 @pytest.mark.parametrize("correction", [True, False])
@@ -322,7 +323,7 @@ def test_reversible_backward_with_chunked_feed_forward_equals_plain_autograd():
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
     for name in results[1][1]:
-        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=named(name))
 
 
 def test_cache_batch_utilities_keep_decoding_exact():

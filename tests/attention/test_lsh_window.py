@@ -21,6 +21,7 @@ from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     assert_same_values_and_gradients,
     lm_config,
+    named,
     saved_loaded_and_generating_like_the_full_forward,
 )
 
@@ -251,7 +252,7 @@ def test_reversible_backward_reuses_buckets_and_equals_plain_autograd(monkeypatc
     (loss_rev, grads_rev), (loss_ref, grads_ref) = results
     torch.testing.assert_close(loss_rev, loss_ref, rtol=0, atol=1e-12)
     for name in grads_ref:
-        torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=name)
+        torch.testing.assert_close(grads_rev[name], grads_ref[name], rtol=1e-7, atol=1e-10, msg=named(name))
 
 
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
@@ -328,4 +329,4 @@ def test_separate_queries_and_keys_train_in_a_reversible_stack_like_plain_autogr
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
     for name, grad in results[0][1].items():
-        torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-11, msg=name)
+        torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-11, msg=named(name))

@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnzoo  # noqa: F401  (registers the Auto classes)
+from tests.attention.helpers import named
 from tests.scripts_helpers import (
     FAMILIES,
     QUIET,
@@ -65,7 +66,7 @@ def test_compiled_model_matches_eager_in_one_graph(family):
         torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
         assert compiled_grads.keys() == eager_grads.keys()
         for name, grad in eager_grads.items():
-            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=named(name))
 
         graphs_after_first_batch = counters["stats"]["unique_graphs"]
         loss_and_gradients(compiled, ids.flip(0), seed=6)  # a new batch, same shape: no new graph

@@ -16,6 +16,7 @@ from tests.attention.helpers import (
     config,
     decoding_model,
     lm_config,
+    named,
     padding_mask,
 )
 from tests.models.test_static_cache import compiled_static_decode, static_model
@@ -49,7 +50,7 @@ def test_reversible_backward_on_cuda_replays_dropout_and_autocast(autocast_dtype
     torch.testing.assert_close(loss_rev, loss_ref, rtol=0, atol=0)
     tol = dict(rtol=1e-6, atol=1e-9) if autocast_dtype is None else dict(rtol=5e-2, atol=5e-3)
     for name in grads_ref:
-        torch.testing.assert_close(grads_rev[name], grads_ref[name], **tol, msg=name)
+        torch.testing.assert_close(grads_rev[name], grads_ref[name], **tol, msg=named(name))
 
 
 # -- LSH and local attention ---------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def test_reversible_backward_with_hashing_replays_buckets_dropout_and_autocast(a
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     tol = dict(rtol=1e-6, atol=1e-9) if autocast_dtype is None else dict(rtol=5e-2, atol=5e-3)
     for name in results[1][1]:
-        torch.testing.assert_close(results[0][1][name], results[1][1][name], **tol, msg=name)
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], **tol, msg=named(name))
 
 
 def test_cached_decoding_equals_the_full_forward():

@@ -7,7 +7,7 @@ from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention.local import LocalAttention
 from attnzoo.modeling.attention.lsh import LSHAttention
 from attnzoo.transformers_compat import output_cache
-from tests.attention.helpers import HIDDEN, config, lm_config
+from tests.attention.helpers import HIDDEN, config, lm_config, named
 from tests.family_suite import FamilySuite
 
 
@@ -116,7 +116,7 @@ def test_concatenated_streams_work_with_every_head_and_the_reversible_backward(h
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=1e-12)
     assert results[0][1].keys() == results[1][1].keys()
     for name in results[1][1]:
-        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=name)
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-7, atol=1e-10, msg=named(name))
 
 
 # -- causality and padding of whole models ---------------------------------------------------------------------------

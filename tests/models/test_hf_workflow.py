@@ -29,6 +29,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import attnzoo
 from attnzoo.tokenization import BYTE_LEVEL_VOCAB_SIZE, byte_level_tokenizer
+from tests.attention.helpers import named
 from tests.family_suite import AUTO
 from tests.models import (
     test_family_lara,
@@ -175,7 +176,7 @@ def assert_accumulation_equals_one_batch(model_fn, examples, collator, tmp_path)
     _, acc_losses, acc_weights = train(model_fn, examples, collator, tmp_path, batch=2, accumulation=2)
     np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-4)
     for name, weight in big_weights.items():
-        torch.testing.assert_close(acc_weights[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(acc_weights[name], weight, rtol=1e-4, atol=1e-5, msg=named(name))
 
 
 def lm_examples(lengths=(5, 12, 7, 16, 9, 14, 6, 11)):

@@ -17,6 +17,7 @@ from attnzoo.ops.chunked_attention import chunked_attention
 from attnzoo.ops.chunked_attention.naive import naive_chunked_attention
 from attnzoo.ops.chunked_attention.torch_chunks import ChunkMask
 from attnzoo.ops.chunked_attention.torch_chunks import chunked_attention as torch_chunked_attention
+from tests.attention.helpers import named
 from tests.ops.triton_helpers import DEVICE, needs_triton
 
 HIDDEN = 16
@@ -137,7 +138,7 @@ def test_triton_matches_the_pytorch_path_in_values_lse_and_gradients(case, monke
     expected = run(lambda q, k, v: torch_chunked_attention(q, k, v, mask, scale), q, k, v, *weights)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
         assert a.dtype == b.dtype
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=2e-5, msg=name)
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=2e-5, msg=named(name))
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -17,6 +17,12 @@ else but the standard library, torch and transformers (what a checkpoint's code 
 The attention modules a model's layers use travel with it, also when they are defined outside attnzoo
 (`attention_modules`): the entry file imports them, which registers their names before the model is built.
 docs/adding_an_attention.md walks through it.
+
+Where attnzoo is imported, transformers builds a checkpoint from attnzoo's installed classes and never runs its code,
+even with `trust_remote_code=True` (a registered local class wins). A user's attention that the checkpoint carries
+is then found by `load_carried_attention` when the installed registry lacks its kind: with `trust_remote_code=True`
+the checkpoint's copy of the module runs against the installed attnzoo (registering the kind); without it, the
+error names the module to import.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ import ast
 import importlib.util
 import re
 import sys
+import types
 from pathlib import Path
+
+from attnzoo.transformers_compat import trust_remote_code_given
 
 PACKAGE = "attnzoo"
 #: what a checkpoint's code may import besides the standard library (and attnzoo names, which it carries)
@@ -43,6 +52,13 @@ AUTO_CLASS_BY_HEAD = {
 }
 _PACKAGE_IMPORT = re.compile(rf"^(\s*)from {PACKAGE}((?:\.\w+)+) import", flags=re.MULTILINE)
 _RELATIVE_IMPORT = re.compile(r"^\s*from \.(\w+) import", flags=re.MULTILINE)
+_FLAT_IMPORT = re.compile(r"^(\s*)from \.(\w+) import", flags=re.MULTILINE)
+#: the entry file's line that imports a user's attention module it carries (the original module name: newer saves)
+_USER_REGISTRATION = re.compile(r"^from \.(user_\w+) import \w+  # noqa: F401  \(registers its attention"
+                                r"(?:; a copy of module ([\w.]+))?\)", flags=re.MULTILINE)
+#: set on a module run from a checkpoint's copy of a user's attention module (`load_carried_attention`): (its file
+#: stem in the checkpoint, the module it was saved from, its source with attnzoo imports), what a new save carries
+CARRIED = "__attnzoo_carried__"
 
 
 def flat_module_name(module: str) -> str:
@@ -124,6 +140,9 @@ def _check_user_imports(source: str, module: str) -> None:
 
 def user_module_source(module: str) -> str:
     """The source of an attention module defined outside attnzoo, checked to travel with a checkpoint."""
+    carried = getattr(sys.modules.get(module), CARRIED, None)
+    if carried is not None:  # run from a checkpoint's copy: that copy travels again
+        return carried[2]
     if module == "__main__":
         raise ValueError("the model uses an attention defined in __main__ (a script or a notebook), whose code a "
                          "checkpoint cannot carry: move the class into a module file (e.g. my_attention.py next to "
@@ -151,18 +170,19 @@ def _files_from_package(config_class: type, model_classes: list[type], attention
     config_module, model_module = config_class.__module__, model_classes[0].__module__ if model_classes else None
     roots = [config_module] + ([model_module] if model_module else [])
     user_sources = {}  # flat name -> source, for attention modules defined outside attnzoo
-    registering = []  # (flat module, class name): entry-file imports that register the layers' attentions
+    registering = []  # (flat module, class name, user module or None): entry-file imports that register the kinds
     for cls in attention_classes:
         module = cls.__module__
         if module.split(".")[0] == PACKAGE:
             roots.append(module)
-            registering.append((flat_module_name(module), cls.__name__))
+            registering.append((flat_module_name(module), cls.__name__, None))
         else:
             source = user_module_source(module)
-            name = "user_" + module.replace(".", "_")
+            carried = getattr(sys.modules.get(module), CARRIED, None)
+            name, origin = carried[:2] if carried is not None else ("user_" + module.replace(".", "_"), module)
             user_sources[name] = source
             roots.extend(_package_imports(source, module))
-            registering.append((name, cls.__name__))
+            registering.append((name, cls.__name__, origin))
     files = {}
     for module, source in _package_closure(roots).items():
         name = flat_module_name(module)
@@ -172,8 +192,9 @@ def _files_from_package(config_class: type, model_classes: list[type], attention
     files.update({name: _flatten(source) for name, source in user_sources.items()})
     files[CONFIG_ENTRY] = _entry(flat_module_name(config_module), [config_class.__name__], "The configuration")
     if model_classes:
-        registration = "".join(f"from .{module} import {name}  # noqa: F401  (registers its attention)\n"
-                               for module, name in dict.fromkeys(registering))
+        registration = "".join(f"from .{module} import {name}  # noqa: F401  (registers its attention"
+                               + (f"; a copy of module {origin})" if origin else ")") + "\n"
+                               for module, name, origin in dict.fromkeys(registering))
         files[MODEL_ENTRY] = registration + _entry(flat_module_name(model_module),
                                                    [c.__name__ for c in model_classes], "The model classes")
     return files
@@ -232,3 +253,84 @@ def write_remote_code(folder: str | Path, config_class: type, model_classes: lis
         path.write_text(source, encoding="utf-8")
         written.append(path)
     return written
+
+
+# -- a user's attention that a checkpoint carries, where attnzoo is imported -------------------------------------------
+def load_carried_attention(kind: str, config) -> str:
+    """For an attention kind the installed registry lacks, in a model built from a checkpoint folder
+    (`config.name_or_path`) whose code carries the user's module that defines it: when the loading call passed
+    `trust_remote_code=True`, run that copy against the installed attnzoo, which registers the kind, and return "";
+    otherwise return a sentence for the error that names the module to import and the flag. "" also when the
+    checkpoint carries no such module."""
+    if __name__.split(".")[0] != PACKAGE:  # a checkpoint's flat copy: its entry file imported every module it carries
+        return ""
+    where = str(getattr(config, "name_or_path", "") or "")
+    folder = Path(where) if where else None
+    if folder is None or not folder.is_dir():
+        if not where or not getattr(config, "auto_map", None):
+            return ""
+        return (f" If the code of {where} defines it, import the module it was saved from before loading: with "
+                "attnzoo imported, transformers builds the model from attnzoo's installed classes, not the "
+                "checkpoint's code.")
+    found = _carried_module(folder, kind)
+    if found is None:
+        return ""
+    stem, module = found
+    if trust_remote_code_given():
+        _run_carried(folder / f"{stem}.py", stem, module)
+        return ""
+    return (f" The checkpoint {where} carries it in {stem}.py, its copy of the module {module}; with attnzoo "
+            "imported, transformers builds the model from attnzoo's installed classes, not the checkpoint's code. "
+            f"Import {module} before loading, or pass trust_remote_code=True to run the checkpoint's copy.")
+
+
+def _carried_module(folder: Path, kind: str) -> tuple[str, str] | None:
+    """(file stem, the module it was saved from) of the user's attention module in the checkpoint `folder` whose
+    source names `kind` (`@register_attention(kind)`, or `@register_far_part(name)` for kind `name_window`)."""
+    entry = folder / f"{MODEL_ENTRY}.py"
+    if not entry.is_file():
+        return None
+    names = {kind, kind.removesuffix("_window")}
+    for match in _USER_REGISTRATION.finditer(entry.read_text(encoding="utf-8")):
+        path = folder / f"{match.group(1)}.py"
+        if path.is_file() and any(isinstance(node, ast.Constant) and node.value in names
+                                  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))):
+            return match.group(1), match.group(2) or match.group(1).removeprefix("user_")
+    return None
+
+
+def _package_modules_by_flat_name() -> dict[str, str]:
+    """flat file stem -> module name, for every module of the installed package (read from its files: importing
+    them all would import what the checkpoint does not need)."""
+    root = Path(importlib.util.find_spec(PACKAGE).origin).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name != PACKAGE:
+            found.setdefault(flat_module_name(name), name)
+    return found
+
+
+def _run_carried(path: Path, stem: str, module: str) -> None:
+    """Run a checkpoint's copy of a user's attention module, its flat imports (`from .a_b import X`) pointed back
+    at the installed attnzoo (`from attnzoo.a.b import X`), as the module `stem` (which registers its kinds)."""
+    source, modules = path.read_text(encoding="utf-8"), _package_modules_by_flat_name()
+
+    def package_import(match: re.Match) -> str:
+        if match.group(2) not in modules:
+            raise ValueError(f"{path} imports .{match.group(2)}, which the installed attnzoo does not have (the "
+                             "checkpoint was saved with another version): import the module it was saved from, "
+                             f"{module}, before loading, or load it where attnzoo is not imported.")
+        return f"{match.group(1)}from {modules[match.group(2)]} import"
+
+    rebased = _FLAT_IMPORT.sub(package_import, source)
+    copy = types.ModuleType(stem, f"The checkpoint's copy of {module} ({path}), run against the installed attnzoo.")
+    copy.__file__ = str(path)
+    setattr(copy, CARRIED, (stem, module, rebased))
+    sys.modules[stem] = copy  # register_far_part puts the layer class in the module: it must be importable by name
+    try:
+        exec(compile(rebased, str(path), "exec", dont_inherit=True), vars(copy))
+    except BaseException:
+        sys.modules.pop(stem, None)
+        raise

@@ -21,18 +21,34 @@ What lives here, and why:
 - **Static cache slots** (`static_written_length`): a `StaticLayer` returns its whole preallocated key/value
   tensors from `update()`, unwritten slots included, and counts what was written in its `cumulative_length` tensor;
   softmax attention masks the rest by that count (no host sync, so a decode step stays capturable).
+- **Config overrides** (`config_loading_options`, `loaded_for_another_loader`): `from_pretrained(path, **kwargs)`
+  hands a config's `from_dict` the overrides mixed with options of transformers' loading, which it drops when they
+  are not attributes of the config. attnzoo refuses a dropped keyword (a misspelt override) unless it is one of
+  those options (the named parameters of the config and model loaders, detected, and what they take from
+  `**kwargs`) or the config is read by another of transformers' loaders (AutoTokenizer, AutoProcessor, pipeline():
+  they pass their own options, `padding_side`, `pad_token`..., through `AutoConfig.from_pretrained`).
+- **`trust_remote_code`** (`trust_remote_code_given`): with attnzoo imported, transformers builds a checkpoint from
+  attnzoo's registered classes rather than its carried code, and passes the flag to no class it builds; a
+  checkpoint that carries a user's attention module runs that copy only when the caller trusted remote code, which
+  is read from the loading calls' keyword arguments.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 
 import torch
-from transformers import GenerationMixin
+from transformers import AutoConfig, GenerationMixin, PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 #: every name transformers has given the cache, as a forward keyword and as an output field (current one first)
 CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+#: cache names no supported transformers passes to a model's forward: `past_key_value` (singular) was a layer's
+#: keyword in 4.x; 5.17 (the floor) and 5.24 take it nowhere (their Llama swallows it in `**kwargs` and decodes
+#: without the cache). A forward refuses them: its `**kwargs` would otherwise drop the cache without a word.
+MISSPELT_CACHE_NAMES = ("past_key_value",)
 
 
 def _detect_cache_keyword() -> str:
@@ -58,7 +74,13 @@ CACHE_KW = _detect_cache_keyword()
 def take_cache(cache, kwargs: dict):
     """The cache a forward was given under any of its names: `cache` (the forward's own parameter), or
     `past_key_values` / `cache_params` left in its `**kwargs` (removed from them, so nothing passes them on).
-    Two different caches at once are refused rather than one of them silently ignored."""
+    Two different caches at once are refused rather than one of them silently ignored, and so is a cache under a name
+    no transformers passes (`MISSPELT_CACHE_NAMES`), which would otherwise decode from the new tokens alone."""
+    for name in MISSPELT_CACHE_NAMES:
+        if name in kwargs:
+            raise TypeError(f"forward() got an unexpected keyword argument {name!r}, which would decode without "
+                            "the cache: pass the cache as `past_key_values=` or `cache=` (either works, with any "
+                            "supported transformers).")
     given = {"cache": cache} if cache is not None else {}
     for name in CACHE_NAMES[1:]:
         value = kwargs.pop(name, None)
@@ -174,3 +196,63 @@ def static_written_length(slot) -> torch.Tensor | None:
     if isinstance(written, torch.Tensor) and getattr(slot, "max_cache_len", None) is not None:
         return written
     return None
+
+
+# -- config loading ----------------------------------------------------------------------------------------------------
+#: what transformers' loaders take from `**kwargs` (5.17 to 5.24) besides their named parameters: options that may
+#: reach a config's `from_dict` without being settings. The model loader's are here too: code that shares one dict
+#: of keyword arguments between `AutoConfig.from_pretrained` and `AutoModel*.from_pretrained` passes them to both.
+_LOADING_OPTIONS = (
+    # the config loaders (PreTrainedConfig.from_pretrained / get_config_dict, AutoConfig) and the Auto classes
+    "proxies", "subfolder", "trust_remote_code", "code_revision", "gguf_file", "return_unused_kwargs",
+    "adapter_kwargs", "name_or_path",
+    # PreTrainedModel.from_pretrained
+    "state_dict", "tqdm_class", "output_loading_info", "dtype", "torch_dtype", "device_map", "max_memory",
+    "offload_folder", "offload_buffers", "quantization_config", "variant", "adapter_name", "generation_config",
+    "distributed_config", "device_mesh", "tp_plan", "tp_size", "allow_all_kernels", "use_kernels", "kernel_config",
+    "key_mapping", "attn_implementation", "experts_implementation",
+    # ... and what it still accepts and ignores
+    "mirror", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+)
+
+
+@functools.cache
+def config_loading_options() -> frozenset[str]:
+    """Keyword arguments of transformers' loading that are not config settings: the named parameters of
+    `PreTrainedConfig.from_pretrained` and `PreTrainedModel.from_pretrained` in the installed release, and
+    `_LOADING_OPTIONS`."""
+    named = set()
+    for method in (PreTrainedConfig.from_pretrained, PreTrainedModel.from_pretrained):
+        named |= {name for name, parameter in inspect.signature(method).parameters.items()
+                  if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+    return frozenset(named | set(_LOADING_OPTIONS))
+
+
+def loaded_for_another_loader(skip_modules=()) -> bool:
+    """Whether the config being loaded is read by another of transformers' loaders rather than for the caller's own
+    use: the first caller up the stack outside transformers' config loading (the modules of `PreTrainedConfig` and
+    `AutoConfig`) and outside `skip_modules` is transformers code. AutoTokenizer, AutoProcessor, AutoImageProcessor,
+    AutoFeatureExtractor and pipeline() read the model's config this way, passing their own keyword arguments
+    through `AutoConfig.from_pretrained`, which ignores what is not a config attribute."""
+    loading = {PreTrainedConfig.__module__, AutoConfig.__module__, __name__, *skip_modules}
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "") in loading:
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("transformers.")
+
+
+def trust_remote_code_given() -> bool:
+    """Whether the `from_pretrained` call building the current model was given trust_remote_code=True. transformers
+    hands the flag to no class it builds, so it is read from the keyword arguments of the `from_pretrained` calls
+    up the stack (an Auto class passes its resolved value on to the model class's). Where no such call is found
+    (a transformers that passes the flag otherwise), the answer is False: the loader then names the module to
+    import instead of running the checkpoint's copy."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "from_pretrained":
+            arguments = inspect.getargvalues(frame)
+            keywords = arguments.locals.get(arguments.keywords) if arguments.keywords else None
+            if isinstance(keywords, dict) and "trust_remote_code" in keywords:
+                return bool(keywords["trust_remote_code"])
+        frame = frame.f_back
+    return False

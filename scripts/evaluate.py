@@ -47,6 +47,9 @@ NOT_DATA = {"model_name_or_path", "model", "family", "output_dir", "resume_from_
 #: the lm-eval options and their defaults: given without --lm_eval_tasks they would do nothing, so that is an error
 LM_EVAL_OPTIONS = {"include_path": [], "num_fewshot": None, "lm_eval_limit": None, "lm_eval_model_args": "",
                    "lm_eval_metadata": None, "trust_remote_code": False, "model_card": "auto"}
+#: the files a saved tokenizer is read from: transformers' AutoTokenizer knows no tokenizer class for attnzoo's model
+#: types, so a model folder without one of these holds no tokenizer it can load
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +129,35 @@ def data_arguments(script, model_name_or_path: str, rest: list[str]) -> argparse
     return parser.parse_args([*rest, "--model_name_or_path", model_name_or_path])
 
 
+def holds_tokenizer(name_or_path) -> bool:
+    """Whether a local folder holds a saved tokenizer; a Hub id (no such folder here) is left to transformers."""
+    folder = Path(name_or_path)
+    return not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_source(args, data, task: str) -> str | None:
+    """Where the tokenizer of a bits/dim or BLEU evaluation comes from (None: the task reads no text): the training
+    script's --tokenizer_name (given, or recorded by the run) for a language model, as train_lm.py loads it; the
+    model folder's own for translation, or --tokenizer_name where the folder has none. A folder without a tokenizer
+    is refused before the model is loaded, naming it and what it lacks (transformers would only say that
+    sentencepiece or tiktoken is not installed)."""
+    if task == "lm" and data.corpus != "imagenet64":
+        name = data.tokenizer_name or args.model_name_or_path
+    elif task == "translation":
+        own = holds_tokenizer(args.model_name_or_path) or not data.tokenizer_name
+        name = args.model_name_or_path if own else data.tokenizer_name
+    else:
+        return None
+    if holds_tokenizer(name):
+        return name
+    where = f"the model folder {name}" if name == args.model_name_or_path else f"--tokenizer_name {name}"
+    metric = {"lm": "bits/dim", "translation": "BLEU"}[task]
+    raise ValueError(f"{where} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}), and the {metric} "
+                     "evaluation reads text through one: pass --tokenizer_name NAME_OR_FOLDER naming a saved tokenizer "
+                     "(the one the model was trained with), or save that tokenizer into the model folder "
+                     "(tokenizer.save_pretrained).")
+
+
 def evaluate_lm(script, args, data, model, accelerator) -> dict:
     tokenizer, byte_level = script.load_tokenizer(data)
     _, heldout, test, length = script.load_datasets(data, tokenizer, byte_level)
@@ -144,7 +176,7 @@ def evaluate_translation(script, args, data, model, accelerator) -> dict:
 
     raw = load_parallel_corpus(data)
     split = args.split if args.split in raw else "validation"
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args, data, "translation"))
     tokenized = tokenize_pairs({split: raw[split]}, tokenizer, data)
     generation = accelerator.unwrap_model(model, keep_torch_compile=False).generation_config
     if args.num_beams is not None:
@@ -215,9 +247,10 @@ def evaluate_lm_eval(args, task: str, rest: list[str]) -> dict | None:
     tasks = [name.strip() for name in args.lm_eval_tasks.split(",") if name.strip()]
     model_args = simple_parse_args_string(args.lm_eval_model_args)
     folder = Path(args.model_name_or_path)
-    if folder.is_dir() and not (folder / "tokenizer_config.json").is_file() and "tokenizer" not in model_args:
-        raise ValueError(f"{folder} holds no tokenizer (a pixel LM has none), and lm-eval's tasks are text; pass one "
-                         "with --lm_eval_model_args tokenizer=NAME_OR_FOLDER.")
+    if not holds_tokenizer(folder) and "tokenizer" not in model_args:
+        raise ValueError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}; a pixel LM has none), "
+                         "and lm-eval's tasks are text; pass one with --lm_eval_model_args tokenizer=NAME_OR_FOLDER, "
+                         "or save the model's tokenizer into the folder (tokenizer.save_pretrained(folder)).")
     if args.trust_remote_code:
         model_args["trust_remote_code"] = True
     if args.mixed_precision != "no":
@@ -267,6 +300,10 @@ def main(argv=None) -> dict:
     check_output_file(args.output_file)
     if args.per_device_eval_batch_size < 1:
         raise ValueError(f"--per_device_eval_batch_size={args.per_device_eval_batch_size} must be positive.")
+    # lm-eval only asserts this deep inside a run (a bare AssertionError), and only where it is installed.
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num_fewshot={args.num_fewshot} is invalid: set the number of examples shown before each "
+                         "question (0: none), or leave it out for each task's own.")
     if args.lm_eval_tasks is not None:
         from attnzoo.evaluation.harness import lm_eval_version
 
@@ -284,6 +321,7 @@ def main(argv=None) -> dict:
                       main_process=found is not None)
     script = load_script(TASK_SCRIPTS[task])
     data = data_arguments(script, args.model_name_or_path, rest)
+    tokenizer_source(args, data, task)  # a missing tokenizer is named before the model and the data are loaded
     accelerator = Accelerator(cpu=not torch.accelerator.is_available(), mixed_precision=args.mixed_precision)
 
     from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSeq2SeqLM

@@ -4,21 +4,24 @@
 position embeddings, image options). A family config subclasses it, sets its own `model_type`, changes defaults and
 adds the fields its attention reads, and checks them by extending `validate_architecture`, which `__post_init__`
 calls: a bad value raises `ValueError` naming the field and what to change. Attention names in `attn_layers` are
-checked where the blocks are built, against the registry of attention modules.
+checked where the blocks are built, against the registry of attention modules. Overrides given to `from_pretrained`
+are checked the same way, and attention kinds they add against the registry where it is loaded (`from_dict`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import logging
 import math
+import sys
 
 from transformers import PreTrainedConfig
 
 from attnzoo.configuration.rope import check_rope
-from attnzoo.remote_code import auto_map, write_remote_code
-from attnzoo.transformers_compat import CACHE_NAMES
+from attnzoo.remote_code import PACKAGE, auto_map, write_remote_code
+from attnzoo.transformers_compat import CACHE_NAMES, config_loading_options, loaded_for_another_loader
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,20 @@ def transformers_config_keys() -> frozenset[str]:
     return frozenset(names | set(GenerationConfig().to_dict()) | _TRANSFORMERS_EXTRA_KEYS)
 
 
+#: the module whose `ATTENTION_REGISTRY` holds the attention kinds; never imported from here (a configuration travels
+#: without the modeling code), only looked up where it is loaded
+_REGISTRY_MODULE = "attnzoo.modeling.attention.base"
+
+
+def registered_attention_kinds() -> dict | None:
+    """attnzoo's attention registry (kind -> class), where its modeling code is loaded. None where it is not, and
+    in a checkpoint's copy of this module (transformers loads the copy of the modeling code apart from it): the
+    kinds are then checked when the model is built."""
+    if __name__.split(".")[0] != PACKAGE:
+        return None
+    return getattr(sys.modules.get(_REGISTRY_MODULE), "ATTENTION_REGISTRY", None)
+
+
 def default_num_random_features(head_dim: int) -> int:
     """Random features per head when none is set: round(d · ln d), at least 1 (see ZooPerformerConfig)."""
     return max(1, round(head_dim * math.log(max(head_dim, 1))))
@@ -91,6 +108,19 @@ def family_configs_with(field: str) -> list[str]:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if "model_type" in vars(cls) and cls is not ZooConfig and field in cls.__dataclass_fields__:
+            found.add(cls.__name__)
+    return sorted(found)
+
+
+def family_configs_based_on(class_names: tuple[str, ...]) -> list[str]:
+    """The names of the family configs whose classes include every class named in `class_names` (the settings an
+    attention reads, its `family_config`), among those imported."""
+    found, todo = set(), [ZooConfig]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "model_type" in vars(cls) and cls is not ZooConfig and \
+                set(class_names) <= {base.__name__ for base in cls.__mro__}:
             found.add(cls.__name__)
     return sorted(found)
 
@@ -274,7 +304,13 @@ class ZooConfig(PreTrainedConfig):
         """`attn_layers` (or `decoder_attn_layers`) as a list of at most one kind per layer. A list longer than the
         stack is refused, naming both numbers, unless it is the class default, which is fitted to the depth
         (`default_layout`); a shorter list repeats (`layer_attention_kinds`)."""
-        layers, depth = list(getattr(self, name)), getattr(self, depth_name)
+        value = getattr(self, name)
+        if isinstance(value, str) or not isinstance(value, list | tuple) or not all(isinstance(k, str) for k in value):
+            # a bare string would become a list of its characters, one "kind" per letter
+            fail(name, value, f"give a list of attention kinds, one per layer (a shorter list repeats), e.g. "
+                              f"{name}=[{value!r}]." if isinstance(value, str) else
+                              "give a list of attention kinds (strings), one per layer.")
+        layers, depth = list(value), getattr(self, depth_name)
         if not isinstance(depth, int) or len(layers) <= depth:
             return layers  # a depth that is not a positive integer fails in validate_architecture
         if layers == list(self.__dataclass_fields__[name].default):
@@ -290,9 +326,24 @@ class ZooConfig(PreTrainedConfig):
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """transformers' loading of a saved config. Configs saved before layouts were checked against the depth
-        may list more attention kinds than layers; the model was built from the first ones, which are kept, with
-        a warning, so the checkpoint loads as it was trained."""
+        """transformers' loading of a saved config, where `from_pretrained(path, **overrides)` ends (so do
+        `AutoConfig.from_pretrained` and `AutoModel*.from_pretrained(path, **overrides)`), with the overrides in
+        `kwargs`.
+
+        Overrides are checked as constructor arguments: the settings among them (and other projects' names for
+        settings, `PEER_SPELLINGS`) go to `__init__` with the saved values, so a bad value raises the `ValueError`
+        the constructor raises, naming the field and what to change; attention kinds new to `attn_layers` must be
+        registered. transformers would set the other keywords after the checks when they name an attribute, and
+        drop the rest without a word. An attribute that is not a setting (`head_dim`, a method) is refused, and so
+        is a dropped keyword, naming the closest setting, unless it is one of transformers' loading options
+        (`config_loading_options`), the caller asked for the unused keywords back (`return_unused_kwargs=True`, as
+        the model loaders do: a model's own options pass through here) or another of transformers' loaders reads
+        the config for itself and passes its own options through (`AutoTokenizer.from_pretrained(path,
+        padding_side="left")`, AutoProcessor, pipeline(): `loaded_for_another_loader`), which are left alone.
+
+        Configs saved before layouts were checked against the depth may list more attention kinds than layers; the
+        model was built from the first ones, which are kept, with a warning, so the checkpoint loads as it was
+        trained."""
         config_dict = dict(config_dict)
         cls._drop_settings_saved_for_every_family(config_dict)
         depth = config_dict.get("num_hidden_layers")
@@ -304,7 +355,74 @@ class ZooConfig(PreTrainedConfig):
                                "(save it again to record that)", len(layers), name, layers_depth, layers_depth,
                                list(layers[:layers_depth]))
                 config_dict[name] = list(layers[:layers_depth])
-        return super().from_dict(config_dict, **kwargs)
+        return_unused_kwargs = kwargs.pop("return_unused_kwargs", False)
+        config_dict.update(cls._take_overrides(kwargs, config_dict))
+        config, unused = super().from_dict(config_dict, return_unused_kwargs=True, **kwargs)
+        if not return_unused_kwargs:
+            cls._refuse_dropped_keywords(unused)
+        return (config, unused) if return_unused_kwargs else config
+
+    @classmethod
+    def _take_overrides(cls, kwargs: dict, saved: dict) -> dict:
+        """The overrides in `kwargs` that are settings of this class (or another project's names for them), taken
+        out of `kwargs` for `__init__` to check; the saved values they replace are removed from `saved`. `dtype`
+        stays with transformers, which gives a concrete one to `__init__` itself and reads "auto" as the
+        checkpoint's. A keyword naming an attribute of attnzoo's that is not a setting is refused: transformers
+        would set it over a derived value or a method."""
+        fields = {field.name for field in dataclasses.fields(cls)} - {"dtype"}
+        overrides = {}
+        for key in list(kwargs):
+            if key in fields or PEER_SPELLINGS.get(key) in fields:
+                overrides[key] = kwargs.pop(key)
+            elif not key.startswith("_") and key not in transformers_config_keys() and \
+                    any(key in vars(base) for base in cls.__mro__ if issubclass(base, ZooConfig)):
+                raise cls._not_a_setting(key, kwargs[key])
+        cls._check_new_attention_kinds(overrides, saved)
+        replaced = {PEER_SPELLINGS.get(key, key) for key in overrides}
+        for key in [key for key in saved if PEER_SPELLINGS.get(key, key) in replaced]:
+            del saved[key]
+        return overrides
+
+    @classmethod
+    def _check_new_attention_kinds(cls, overrides: dict, saved: dict) -> None:
+        """Attention kinds that overrides of `attn_layers` / `decoder_attn_layers` bring in must be registered (and
+        this class must have the settings they read), with the errors the model's construction gives. Only where the
+        registry is loaded, and not for kinds the saved config has: the checkpoint's code may register those when
+        the model is built."""
+        registry = registered_attention_kinds()
+        if registry is None:
+            return
+        known = {*registry, *(saved.get("attn_layers") or ()), *(saved.get("decoder_attn_layers") or ())}
+        mro = {base.__name__ for base in cls.__mro__}
+        for name in ("attn_layers", "decoder_attn_layers"):
+            layers = overrides.get(name)
+            for kind in layers if isinstance(layers, list | tuple) else ():
+                if not isinstance(kind, str):
+                    continue  # refused by the checks of __init__ or of the model
+                if kind not in known:
+                    fail(name, list(layers), f"unknown attention {kind!r}; known kinds: {sorted(registry)}. An "
+                                             "attention of your own is known once the module that registers it is "
+                                             "imported.")
+                required = getattr(registry.get(kind), "family_config", ())
+                required = (required,) if isinstance(required, str) else tuple(required)
+                if missing := [setting for setting in required if setting not in mro]:
+                    fail(name, list(layers), f"attention {kind!r} reads the settings of {' and '.join(missing)}, "
+                                             f"which {cls.__name__} does not have; build the model with a config "
+                                             f"that has them: {', '.join(family_configs_based_on(required))}.")
+
+    @classmethod
+    def _refuse_dropped_keywords(cls, unused: dict) -> None:
+        """Refuse the first keyword that transformers left unused, and so would drop without a word, naming the
+        closest setting; transformers' own config keys and loading options pass, and so does everything where
+        another of transformers' loaders reads this config with its own options."""
+        dropped = [key for key in unused if not key.startswith("_") and key not in transformers_config_keys()
+                   and key not in config_loading_options()]
+        if not dropped:
+            return
+        if loaded_for_another_loader(skip_modules=(__name__,)):
+            logger.info("%s leaves %s to the loader that reads it", cls.__name__, ", ".join(dropped))
+            return
+        raise cls._not_a_setting(dropped[0], unused[dropped[0]])
 
     @classmethod
     def _drop_settings_saved_for_every_family(cls, config_dict: dict) -> None:
@@ -341,19 +459,30 @@ class ZooConfig(PreTrainedConfig):
                 setattr(self, target, value)
             elif key.startswith("_") or key in transformers_config_keys():
                 passed[key] = value
-            elif target is not None:
-                raise ValueError(f"{key}={value!r}: {key} is another name for {target}, which "
-                                 f"{type(self).__name__} does not have; use the family whose config has {target}.")
-            elif owners := family_configs_with(key):  # another family's setting, e.g. window_size in softmax
-                raise ValueError(f"{key}={value!r} is not a setting of {type(self).__name__}; it is one of "
-                                 f"{', '.join(owners)}: build the model with one of those.")
             else:
-                names = fields | {peer for peer, field in PEER_SPELLINGS.items() if field in fields}
-                close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
-                hint = f"; did you mean {PEER_SPELLINGS.get(close[0], close[0])!r}?" if close else \
-                    f"; see the {type(self).__name__} docstring for its settings."
-                raise ValueError(f"{key}={value!r} is not a setting of {type(self).__name__}{hint}")
+                raise type(self)._not_a_setting(key, value)
         return passed
+
+    @classmethod
+    def _not_a_setting(cls, key: str, value) -> ValueError:
+        """The error for a keyword argument `key` that is not a setting of this class: another project's name for a
+        setting it lacks, another family's setting, a derived value, or the closest setting's name."""
+        target = PEER_SPELLINGS.get(key)
+        if target is not None:
+            return ValueError(f"{key}={value!r}: {key} is another name for {target}, which {cls.__name__} does not "
+                              f"have; use the family whose config has {target}.")
+        if owners := family_configs_with(key):  # another family's setting, e.g. window_size in softmax
+            return ValueError(f"{key}={value!r} is not a setting of {cls.__name__}; it is one of "
+                              f"{', '.join(owners)}: build the model with one of those.")
+        if hasattr(cls, key):  # e.g. head_dim
+            return ValueError(f"{key}={value!r} is not a setting of {cls.__name__}: {key} is derived from its "
+                              "settings (or a method), so it cannot be set; set the settings it comes from.")
+        fields = set(cls.__dataclass_fields__)
+        names = fields | {peer for peer, field in PEER_SPELLINGS.items() if field in fields}
+        close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.6)
+        hint = f"; did you mean {PEER_SPELLINGS.get(close[0], close[0])!r}?" if close else \
+            f"; see the {cls.__name__} docstring for its settings."
+        return ValueError(f"{key}={value!r} is not a setting of {cls.__name__}{hint}")
 
     # -- validation -------------------------------------------------------------------------------------------
     def validate_architecture(self) -> None:

@@ -4,6 +4,7 @@ tokenised and concatenated; cut into fixed-length blocks (optionally overlapping
 
 from __future__ import annotations
 
+import math
 import random
 import zipfile
 from pathlib import Path
@@ -168,15 +169,17 @@ def check_passkey_fraction(fraction: float) -> None:
 
 def check_passkey_options(fraction: float, min_distance: int, block_size: int,
                           answer_weight: float | None = None) -> None:
-    """The passkey options: a fraction in [0, 1), a minimum distance that fits the block, an answer weight > 0; the
-    options that shape the passkey sequences need some (nothing is silently ignored)."""
+    """The passkey options: a fraction in [0, 1), a minimum distance that fits the block, a finite answer weight
+    > 0; the options that shape the passkey sequences need some (nothing is silently ignored)."""
     check_passkey_fraction(fraction)
     if min_distance < 0 or (min_distance and min_distance >= block_size):
         raise ValueError(f"--passkey_min_distance={min_distance} is invalid: set 0 (any distance) or a number of "
                          f"tokens below --block_size={block_size}, such as the exact window's width.")
-    if answer_weight is not None and not answer_weight > 0:
-        raise ValueError(f"--passkey_answer_weight={answer_weight} is invalid: set a positive weight of the answer "
-                         "tokens' loss (1: as any other token).")
+    # An infinite weight passes a "> 0" test, yet makes every passkey batch's loss non-finite: each such step would
+    # be skipped and the run would end with an untrained model, so the weight must be finite as well as positive.
+    if answer_weight is not None and not (math.isfinite(answer_weight) and answer_weight > 0):
+        raise ValueError(f"--passkey_answer_weight={answer_weight} is invalid: set a finite, positive weight of the "
+                         "answer tokens' loss (1: as any other token; 20-50 make small models learn retrieval).")
     unused = [name for name, value, default in (("--passkey_min_distance", min_distance, 0),
                                                 ("--passkey_answer_weight", answer_weight, 1.0))
               if value is not None and value != default]

@@ -114,6 +114,49 @@ def test_fast_form_equals_dense_density_ratio_reference_with_padding(window, sin
     assert_same_values_and_gradients(attn, x, mask, fast, ref, rtol=1e-10, atol=1e-12)
 
 
+def trained_scale_layer(variant: str, training: bool, dtype: torch.dtype):
+    """Layer 0 of a model initialised with initializer_range=0.5 (scales trained models reach): its scores pass
+    exp's float32 range, where the reference's plain exp(s_nm), ξ and N(ω; ·) once gave inf / inf and 0 / 0."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(initializer_range=0.5, ra_variant=variant)).to(dtype)
+    return model.model.transformer.blocks[0].attn.train(training)
+
+
+VARIANTS_AND_MODES = [("unbiased", True), ("unbiased", False), ("biased", True)]
+
+
+@pytest.mark.parametrize("variant, training", VARIANTS_AND_MODES)
+def test_reference_is_finite_wherever_the_fast_path_is_at_initializer_range_0_5(variant, training):
+    """float32, the model's own dtype: the reference was NaN at 10 to 16 of the 43 real positions here."""
+    attn = trained_scale_layer(variant, training, torch.float32)
+    x, mask, positions = left_padded_batch(length=24)
+    x = x.detach().float()
+    torch.manual_seed(3)
+    fast = attn(x, attention_mask=mask, position_ids=positions)
+    torch.manual_seed(3)
+    ref = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
+    assert fast.isfinite().all()
+    assert ref.isfinite().all(), f"{(~ref[mask].isfinite()).any(-1).sum()} real positions are not finite"
+    torch.testing.assert_close(ref[mask], fast[mask], rtol=1e-4, atol=1e-4)  # outputs reach 29 in magnitude
+
+
+@pytest.mark.parametrize("input_scale", [1, 6])
+@pytest.mark.parametrize("variant, training", VARIANTS_AND_MODES)
+def test_fast_form_equals_reference_at_initializer_range_0_5_in_float64(variant, training, input_scale):
+    """Values and gradients in float64; inputs 6 times larger put the scores past exp's float64 range (~709),
+    where the plain reference was NaN too."""
+    attn = trained_scale_layer(variant, training, torch.float64)
+    x, mask, positions = left_padded_batch(length=24)
+    x = (x.detach() * input_scale).requires_grad_()
+    torch.manual_seed(3)
+    fast = attn(x, attention_mask=mask, position_ids=positions)
+    torch.manual_seed(3)
+    ref = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
+    # outputs reach ~100 at scale 6: the absolute tolerance follows the scale (relative error stays ~1e-13)
+    atol = 1e-12 * input_scale ** 3
+    assert_same_values_and_gradients(attn, x, mask, fast, ref, rtol=1e-10, atol=atol)
+
+
 def test_only_queries_with_far_keys_differ_from_the_window_alone():
     """The window alone ("window" with the same weights) differs from ra_window exactly where queries have far
     keys: the far part is really there (and nothing else moves)."""

@@ -84,3 +84,76 @@ def test_a_far_part_of_ones_own_trains_decodes_saves_and_loads_where_attnzoo_is_
     assert there["module"].startswith("transformers_modules") and there["far"] == "EluPlusOneFarPart"
     assert there["logits"] == here["logits"]
     assert there["generated"] == here["generated"]
+
+
+SAVE = """
+import json, sys, torch
+sys.path.insert(0, {folder!r})
+import elu_far_part
+from attnzoo import ZooWindowConfig, ZooWindowForCausalLM
+
+torch.manual_seed(0)
+config = ZooWindowConfig(attn_layers=["elu_plus_one_window", "window"], is_decoder=True, window_size=4,
+                         num_sink_tokens=2, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, hidden_dropout_prob=0.0)
+model = ZooWindowForCausalLM(config).eval()
+with torch.no_grad():
+    model.model.transformer.blocks[0].attn.far_weight.normal_()  # a trained far part: its own weights matter
+    logits = model(torch.arange(1, 17)[None]).logits
+model.save_pretrained({saved!r})
+print(json.dumps({{"logits": logits.flatten().tolist()}}))
+"""
+
+LOAD_WHERE_ATTNZOO_IS_IMPORTED = """
+import json, sys, torch
+import attnzoo  # installed and imported; the user's module is not
+from transformers import AutoModelForCausalLM
+from attnzoo.modeling.attention import FAR_PART_REGISTRY
+
+refused = []
+for load in (lambda: AutoModelForCausalLM.from_pretrained({saved!r}),
+             lambda: attnzoo.ZooWindowForCausalLM.from_pretrained({saved!r})):
+    try:
+        load()
+    except ValueError as error:
+        refused.append(str(error))
+model = AutoModelForCausalLM.from_pretrained({saved!r}, trust_remote_code=True).eval()
+layer = model.model.transformer.blocks[0].attn
+with torch.no_grad():
+    logits = model(torch.arange(1, 17)[None]).logits
+model.save_pretrained({resaved!r})
+sys.path.insert(0, {mine!r})
+import elu_far_part  # the user's own module, imported later, takes the name over from the checkpoint's copy
+print(json.dumps({{"refused": refused, "module": type(layer).__module__, "far": type(layer.far).__name__,
+                   "logits": logits.flatten().tolist(),
+                   "taken_over": FAR_PART_REGISTRY["elu_plus_one"] is elu_far_part.EluPlusOneFarPart}}))
+"""
+
+
+def test_the_checkpoint_loads_its_own_far_part_where_attnzoo_is_imported_given_trust_remote_code(tmp_path):
+    """Where attnzoo is imported, transformers builds the checkpoint from attnzoo's installed classes (a registered
+    local class wins over remote code, trust_remote_code or not), whose registry lacks the user's far part: without
+    trust_remote_code the error names the module to import and the flag; with it, the checkpoint's copy of the
+    module runs against the installed attnzoo, the logits are the original's, and a new save carries the same
+    files."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "elu_far_part.py").write_text(doc_blocks()["elu_far_part.py"], encoding="utf-8")
+    saved, resaved = tmp_path / "elu-window", tmp_path / "elu-window-again"
+    here = json.loads(run(SAVE.format(folder=str(mine), saved=str(saved)), tmp_path).splitlines()[-1])
+    there = json.loads(run(LOAD_WHERE_ATTNZOO_IS_IMPORTED.format(saved=str(saved), resaved=str(resaved),
+                                                                 mine=str(mine)), tmp_path).splitlines()[-1])
+    hint = (f"The checkpoint {saved} carries it in user_elu_far_part.py, its copy of the module elu_far_part; with "
+            "attnzoo imported, transformers builds the model from attnzoo's installed classes, not the checkpoint's "
+            "code. Import elu_far_part before loading, or pass trust_remote_code=True to run the checkpoint's copy.")
+    assert len(there["refused"]) == 2, there["refused"]
+    for message in there["refused"]:
+        assert message.startswith("attn_layers=['elu_plus_one_window', 'window'] is invalid: unknown attention "
+                                  "'elu_plus_one_window'; known kinds: [") and message.endswith(hint), message
+    assert there["module"] == "user_elu_far_part" and there["far"] == "EluPlusOneFarPart"
+    assert there["logits"] == here["logits"]
+    assert there["taken_over"]
+    files = sorted(path.name for path in saved.glob("*.py"))
+    assert sorted(path.name for path in resaved.glob("*.py")) == files and "user_elu_far_part.py" in files
+    for name in files:
+        assert (resaved / name).read_bytes() == (saved / name).read_bytes(), name

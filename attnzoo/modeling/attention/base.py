@@ -48,6 +48,7 @@ decorate it with `@register_attention("name")`. Inside the package, put the file
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,6 +58,7 @@ from transformers.cache_utils import DynamicLayer
 
 from attnzoo.modeling.attention.far_positions import FarQueryScale, far_positions_of
 from attnzoo.modeling.rotary import RotaryEmbedding
+from attnzoo.remote_code import CARRIED, load_carried_attention
 
 ATTENTION_REGISTRY: dict[str, type[ZooAttention]] = {}
 
@@ -65,8 +67,10 @@ def register_attention(name: str):
     """Class decorator: make an attention module available to configs as `attn_layers=[name]`."""
 
     def add(cls: type[ZooAttention]) -> type[ZooAttention]:
-        if name in ATTENTION_REGISTRY and ATTENTION_REGISTRY[name] is not cls:
-            raise ValueError(f"attention name {name!r} is already registered to {ATTENTION_REGISTRY[name].__name__}")
+        registered = ATTENTION_REGISTRY.get(name)
+        if registered is not None and registered is not cls and not replaceable(registered):
+            raise ValueError(f"attention name {name!r} is already registered to {registered.__name__} (module "
+                             f"{registered.__module__}); give {cls.__name__} another name in @register_attention.")
         cls.name = name
         ATTENTION_REGISTRY[name] = cls
         return cls
@@ -74,12 +78,21 @@ def register_attention(name: str):
     return add
 
 
+def replaceable(registered: type) -> bool:
+    """Whether a registration may be replaced: one made by a checkpoint's copy of a user's module
+    (`remote_code.load_carried_attention`) gives way to the module itself when the user imports it."""
+    return hasattr(sys.modules.get(registered.__module__), CARRIED)
+
+
 def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name: str = "attn_layers"):
     """The attention module of one layer, with a ValueError naming `field_name` for an unknown kind or a config
     class that lacks the kind's fields."""
     if kind not in ATTENTION_REGISTRY:
-        raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: unknown attention "
-                         f"{kind!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.")
+        # a user's attention that the checkpoint being loaded carries: registered from there, or named in the error
+        hint = load_carried_attention(kind, config)
+        if kind not in ATTENTION_REGISTRY:
+            raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: unknown attention "
+                             f"{kind!r}; known kinds: {sorted(ATTENTION_REGISTRY)}.{hint}")
     cls = ATTENTION_REGISTRY[kind]
     required = (cls.family_config,) if isinstance(cls.family_config, str) else tuple(cls.family_config)
     missing = [name for name in required if name not in {c.__name__ for c in type(config).__mro__}]

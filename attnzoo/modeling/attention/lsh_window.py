@@ -16,7 +16,7 @@ them, rounds combined through their log-sum-exps with the duplicate correction, 
 removed, so a key in both the window and the query's bucket is counted once, in the window. It yields out_far and its
 log-sum-exp lse_far; the near part is an exact softmax with lse_near, and the two combine as
 out = softmax([lse_near, lse_far]) · [out_near, out_far]: the window's scores and a far part of mass exp(lse_far)
-and value out_far under the one normalisation every windowed layer shares (`window.combine`). This is content-addressed
+and value out_far under the one normalisation every windowed layer shares (`merge_far`). This is content-addressed
 retrieval of exact tokens from anywhere in the context
 (the passkey retrieval task of "Landmark Attention", arXiv 2305.16300) beside an exact local window with attention
 sinks ("Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453, §3.2). With the "bucket" setting

@@ -21,7 +21,7 @@ f_n(ω) = Σ_{m∈F(n)} softmax_m(ω·k̂_m − ‖k̂_m‖²/2) v_m, whose expe
     out_n = (Σ_{m∈near(n)} exp(s_nm) v_m + Z_n · mean_s f_n(ω_ns)) / (Σ_{m∈near(n)} exp(s_nm) + Z_n),
     ω_ns ~ p_n (RA's "unbiased" variant) or ω_ns = q̂_n + Σ_F π_nm k̂_m (+ noise; RA's "biased" variant, Eq. 31),
 
-computed by the one normalisation every windowed layer shares (`window.combine`): the near keys' scores and a far
+computed by the one normalisation every windowed layer shares (`merge_far`): the near keys' scores and a far
 part of mass Z_n (log Z_n, a log-sum-exp over the far keys) and value mean_s f_n(ω_ns), given as (value, 1,
 log Z_n). Only the far values are
 estimated: the split of the attention mass between the
@@ -38,6 +38,8 @@ does: a new token's far keys are the stored ones at positions S .. t − W.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -108,10 +110,13 @@ class RAFarPart(FarPart):
                          far[:, None, None, :], position[:, None], key_position)
 
     def reference(self, q, k, v, valid, far, recompute=None):
-        """Dense kernels in the compute dtype, no stabilisation, the same draws: on the far keys RA's importance
-        weights ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I) / p_n(ω) with the mixture density p_n written out, averaged over
-        the draws -> (far numerator, far denominator, log scale 0). Computed on left-aligned rows, as the parallel
-        form draws there (training draws come from the global RNG in that order), and moved back."""
+        """Dense kernels in the compute dtype, the same draws: on the far keys RA's importance weights
+        ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I) / p_n(ω) with the mixture density p_n written out, averaged over the draws
+        -> (far numerator, far denominator, log scale). Each factor is written as its logarithm and the weights are
+        exponentiated once, divided by Z_n (the log scale returned is log Z_n): ξ, N and exp(s_nm) alone overflow or
+        underflow at trained scales (NaN as inf / inf or 0 / 0), while a weight over Z_n is the mixture component's
+        share of p_n(ω), at most 1. Computed on left-aligned rows, as the parallel form draws there (training draws
+        come from the global RNG in that order), and moved back."""
         order = left_align(valid)
         q, k, v = (gather_tokens(x, order) for x in (q, k, v))
         far = far.gather(1, order[:, :, None].expand_as(far)).gather(2, order[:, None, :].expand_as(far))
@@ -120,25 +125,30 @@ class RAFarPart(FarPart):
         dim = q_hat.shape[-1]
         positions = torch.arange(q.shape[2], device=q.device)[None]  # real positions, for the evaluation draws
         far = far[:, None]  # [B, 1, N, M]
-        omega = self._omega(q_hat, k_hat, keys_to_sample(far), positions, positions)  # [B, H, N, S, d]
-        kernel = torch.exp(q_hat @ k_hat.transpose(-1, -2))  # exp(s_nm)
-        has_far = far.any(-1)  # [B, 1, N]
-        far_mass = (kernel * far).sum(-1)  # Z_n
-        mixture_weight = kernel * far / torch.where(has_far, far_mass, 1.0).unsqueeze(-1)  # π_nm
+        # A query without far keys gets the weight 0 (log scale -inf), but its mixture runs over every key, as its
+        # draws do: every logarithm below stays finite, and so do the gradients.
+        sampled = keys_to_sample(far)
+        omega = self._omega(q_hat, k_hat, sampled, positions, positions)  # [B, H, N, S, d]
+        scores = q_hat @ k_hat.transpose(-1, -2)  # s_nm
+        log_mass = log_far_mass(scores.masked_fill(~far, float("-inf")))  # log Z_n
+        log_pi = scores.masked_fill(~sampled, float("-inf")).log_softmax(-1)  # log π_nm
 
-        def standard_normal_density(x):  # N(x; 0, I) over the last axis
-            return torch.exp(-0.5 * (x * x).sum(-1)) / (2 * torch.pi) ** (dim / 2)
+        def log_standard_normal(x):  # log N(x; 0, I) over the last axis
+            return -0.5 * (x * x).sum(-1) - dim / 2 * math.log(2 * math.pi)
 
-        def xi(x, w):  # ξ(x, ω) = exp(ω·x − ‖x‖²/2)
-            return torch.exp((w * x).sum(-1) - 0.5 * (x * x).sum(-1))
+        def log_xi(x, w):  # log ξ(x, ω) = ω·x − ‖x‖²/2
+            return (w * x).sum(-1) - 0.5 * (x * x).sum(-1)
 
         omega_m = omega.unsqueeze(4)  # [B, H, N, S, 1, d] against keys [B, H, 1, 1, M, d]
         k_m = k_hat[:, :, None, None]
-        component = standard_normal_density(omega_m - q_hat[:, :, :, None, None] - k_m)  # N(ω; q̂_n + k̂_m, I)
-        density = (mixture_weight.unsqueeze(3) * component).sum(-1)  # p_n(ω) [B, H, N, S]
-        integrand = (xi(q_hat[:, :, :, None, None], omega_m) * xi(k_m, omega_m)
-                     * standard_normal_density(omega).unsqueeze(-1) * far.unsqueeze(3))
-        importance = integrand / torch.where(has_far.unsqueeze(-1), density, 1.0).unsqueeze(-1)  # [B, H, N, S, M]
-        numerator = restore_order((importance @ v.unsqueeze(2)).mean(3), order)
+        log_component = log_standard_normal(omega_m - q_hat[:, :, :, None, None] - k_m)  # log N(ω; q̂_n + k̂_m, I)
+        log_density = (log_pi.unsqueeze(3) + log_component).logsumexp(-1)  # log p_n(ω) [B, H, N, S]
+        log_integrand = (log_xi(q_hat[:, :, :, None, None], omega_m) + log_xi(k_m, omega_m)
+                         + log_standard_normal(omega).unsqueeze(-1))  # log ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I)
+        log_mass_or_zero = torch.where(torch.isfinite(log_mass), log_mass, 0.0)[..., None, None]
+        # masked before exp: a near key's ratio can overflow, and inf * 0 is NaN
+        importance = (log_integrand - log_density.unsqueeze(-1) - log_mass_or_zero).masked_fill(
+            ~far.unsqueeze(3), float("-inf")).exp()
+        numerator = restore_order((importance @ v.unsqueeze(2)).mean(3), order)  # [B, H, N, e], over Z_n
         denominator = restore_order(importance.sum(-1).mean(3)[..., None], order)[..., 0]
-        return numerator, denominator, torch.zeros_like(denominator)
+        return numerator, denominator, restore_order(log_mass[..., None], order)[..., 0]

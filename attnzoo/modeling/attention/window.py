@@ -24,36 +24,17 @@ the sinks with them.
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
-from attnzoo.modeling.attention.base import ZooAttention, check_attention_mask, register_attention
+from attnzoo.modeling.attention.base import check_attention_mask
 from attnzoo.modeling.cache import RecurrentStateLayer
-from attnzoo.ops.chunked_attention import mask_values, pad_to_multiple
+from attnzoo.ops.chunked_attention import mask_values
+from attnzoo.ops.window_attention import merge_far, window_attention
+from attnzoo.ops.window_attention.rule import beyond_window, in_window, outside_window  # noqa: F401  (the rule)
 
-
-# -- the near/far rule, once ------------------------------------------------------------------------------------------
-# Positions count real tokens. A key at position p is NEAR a (causal) query at position i when it is in the query's
-# window (0 <= i - p < W) or is one of the first S tokens (a sink, p < S); every other earlier real key is FAR. The
-# exact window part attends to the near keys; a windowed layer's far part (FAVOR+, causal LARA, RA, LSH) to the far
-# ones. Every layer, form (parallel, decoding, reference) and mask below is written with these two functions.
-def in_window(query_pos, key_pos, window: int):
-    """Whether a key at `key_pos` lies in the causal window of a query at `query_pos` (broadcasting tensors)."""
-    gap = query_pos - key_pos
-    return (gap >= 0) & (gap < window)
-
-
-def outside_window(query_pos, key_pos, window: int):
-    """Whether a key at `key_pos` comes before the window of a query at `query_pos` (a sink there is attended as a
-    sink; one inside the window, as part of the window)."""
-    return query_pos - key_pos >= window
-
-
-def beyond_window(query_pos, key_pos, window: int, sinks: int):
-    """Whether an earlier key at `key_pos` is far from a query at `query_pos`: before its window and not a sink."""
-    return outside_window(query_pos, key_pos, window) & (key_pos >= sinks)
+# The near/far rule (`attnzoo.ops.window_attention.rule`): a key at position p is NEAR a causal query at position i
+# when it is in the query's window (0 <= i - p < W) or is one of the first S tokens (a sink, p < S); every other
+# earlier real key is FAR. Every form (parallel, decoding, reference) and mask is written with its functions.
 
 
 def real_positions(layer, valid: torch.Tensor) -> torch.Tensor:
@@ -108,27 +89,6 @@ def dense_near_and_far(valid: torch.Tensor, window: int, sinks: int) -> tuple[to
     return earlier & ~far, far
 
 
-def combine(scores: torch.Tensor, values: torch.Tensor, far_num: torch.Tensor, far_den: torch.Tensor,
-            far_scale: torch.Tensor, dropout: float = 0.0, training: bool = False) -> torch.Tensor:
-    """The one normalisation of every windowed layer: the exact near part (scores [..., Q, K], disallowed keys at the
-    dtype's most negative value or -inf; values [..., K, e]) and the far part, given per query as a numerator
-    [..., Q, e], a denominator [..., Q] and their common log scale [..., Q]:
-
-        out = (Σ_near exp(s) v + exp(c) far_num) / (Σ_near exp(s) + exp(c) far_den).
-
-    A far part that is itself normalised (LSH's bucket attention, RA's far values) gives far_den = 1 and its
-    log-sum-exp as c; a query without far keys gives c = -inf. `dropout` applies to the near weights in training (the
-    far part's draws are its own)."""
-    top = torch.maximum(scores.amax(-1), far_scale).detach()
-    near = torch.exp(scores - top[..., None])
-    far = torch.exp(far_scale - top)
-    denominator = near.sum(-1) + far * far_den
-    if dropout > 0.0 and training:
-        near = F.dropout(near / denominator[..., None], dropout) * denominator[..., None]
-    numerator = torch.einsum("...qk,...ke->...qe", near, values) + far[..., None] * far_num
-    return numerator / denominator[..., None]
-
-
 def left_align(valid: torch.Tensor) -> torch.Tensor:
     """[B, L] permutation that moves each row's real tokens to the front, in order (stable)."""
     return torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)
@@ -142,56 +102,6 @@ def gather_tokens(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def restore_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The inverse of `gather_tokens(x, order)` along the token axis (2)."""
     return torch.empty_like(x).scatter_(2, order[:, None, :, None].expand_as(x), x)
-
-
-def window_scores(q, k, v, n_real, window: int, sinks: int, causal: bool, scale: float, sink_q=None):
-    """The blocked window-with-sinks scores of left-aligned q, k, v [B, H, L, d] with `n_real` [B] real tokens:
-    (scores [B, H, blocks, window, keys] with disallowed keys at the dtype's most negative value, values
-    [B, H, blocks, keys, d]). Block c's keys are the sinks, then blocks c - 1 and c (and c + 1 when not causal); a
-    sink inside a query's window is counted in the window only; a padded query with nothing to see gets its own
-    key. Query rows past L (up to `blocks * window`) are padding. `sink_q` (left-aligned as q): the queries that
-    score the sink columns (`sink_queries`), when not q."""
-    batch, heads, _, dim = q.shape
-    w = window
-    q, k, v = (pad_to_multiple(x, w, dim=2) for x in (q, k, v))
-    sink_q = q if sink_q is None else pad_to_multiple(sink_q, w, dim=2)
-    blocks = q.shape[2] // w
-    device = q.device
-    position = torch.arange(blocks * w, device=device)
-    real = position[None, :] < n_real[:, None]  # [B, Lp]
-    neighbours = [-1, 0] if causal else [-1, 0, 1]
-
-    def around(x):  # [B, H, Lp, d] -> [B, H, blocks, len(neighbours) * w, d]: each block's neighbour blocks
-        x = x.view(*x.shape[:2], blocks, w, -1)
-        padded = F.pad(x, (0, 0, 0, 0, 1, 1))
-        return torch.cat([padded[:, :, 1 + n:1 + n + blocks] for n in neighbours], dim=3)
-
-    keys, values = around(k), around(v)
-    key_pos = (torch.arange(blocks, device=device)[:, None] * w
-               + torch.arange(-w, (len(neighbours) - 1) * w, device=device)[None, :])  # [blocks, n * w]
-    in_range = (key_pos >= 0) & (key_pos < blocks * w)
-    key_real = real.gather(1, key_pos.clamp(0, blocks * w - 1).flatten()[None].expand(batch, -1)).view(
-        batch, blocks, -1) & in_range
-    query_pos = position.view(blocks, w)
-    gap = query_pos[:, :, None] - key_pos[:, None, :]  # [blocks, w, n * w]
-    near = in_window(query_pos[:, :, None], key_pos[:, None, :], w) if causal else gap.abs() < w
-    allowed = near[None] & key_real[:, :, None, :]
-    own = gap == 0
-    sink_count = min(sinks, blocks * w)
-    if sink_count:  # a sink inside the query's window is counted there
-        sink_pos = torch.arange(sink_count, device=device)
-        sink_gap = query_pos[:, :, None] - sink_pos  # [blocks, w, S]
-        far = outside_window(query_pos[:, :, None], sink_pos, w) if causal else sink_gap.abs() >= w
-        allowed = torch.cat([far[None] & real[:, None, None, :sink_count], allowed], dim=-1)
-        values = torch.cat([v[:, :, None, :sink_count].expand(-1, -1, blocks, -1, -1), values], dim=3)
-        own = torch.cat([torch.zeros_like(far), own], dim=-1)
-    allowed = allowed | (~allowed.any(-1, keepdim=True) & own[None])
-    scores = torch.einsum("bhcqd,bhckd->bhcqk", q.view(batch, heads, blocks, w, dim), keys)
-    if sink_count:
-        sink_scores = torch.einsum("bhcqd,bhkd->bhcqk", sink_q.view(batch, heads, blocks, w, dim), k[:, :, :sink_count])
-        scores = torch.cat([sink_scores, scores], dim=-1)
-    scores = scores * scale
-    return scores.masked_fill(~allowed[:, None], mask_values(scores.dtype)[0]), values
 
 
 # -- the decoding ring of the near part ---------------------------------------------------------------------------
@@ -297,91 +207,68 @@ def new_token_inputs(module, hidden_states, attention_mask, cache):
     return layer, past, valid
 
 
-@register_attention("window")
-class SlidingWindowAttention(ZooAttention):
-    """Exact softmax over the last `window_size` tokens and the first `num_sink_tokens` ones; see the module
-    docstring. Bidirectional layers see `window_size - 1` tokens to each side."""
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, kv_heads, ...] -> [B, heads, ...]: query head h reads key/value head h // (heads / kv_heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
-    family_config = "ZooWindowSettings"
 
-    def __init__(self, config, layer_idx: int, causal: bool):
-        super().__init__(config, layer_idx, causal)
-        self.build_projections()
-        self.window_size = config.window_size
-        self.sinks = config.num_sink_tokens
-        self.sink_positions = config.sink_positions
-        self.dropout = config.attention_probs_dropout_prob
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+class NearPart:
+    """The exact near part of every windowed layer, once: each query's window (the last W real tokens, itself
+    included; bidirectionally the W - 1 on each side) and the first S real tokens outside it (the sinks), in the
+    three forms (`parallel`, `step` over the decoding ring, `reference`), each merging a far part's (numerator,
+    denominator, log scale) under the one normalisation (`attnzoo.ops.window_attention.merge_far`).
 
-    def new_cache_layer(self):
-        return WindowStateLayer(self.window_size, self.sinks)
+    The layer projects, rotates and chooses the scoring: `scale` multiplies q·k; with `penalises_own_key` (LSH's
+    shared QK, whose keys are the normalised queries) a query's own key gets a large finite penalty, so it is used
+    only when nothing else is. Keys and values come with their key/value heads; the near part repeats them per
+    query head where it must."""
 
-    def _project(self, hidden_states, position_ids, past, layer=None, valid=None):
-        """(q, k, v, sink_q): the rotated queries and keys, the values, and the queries that score the sinks
-        (`sink_queries`: None when they are q)."""
-        q, k, v = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
-        return (self.rotate(q, rotation), self.rotate(k, rotation), v,
-                sink_queries(self, q, position_ids, past, layer, valid))
+    def __init__(self, window: int, sinks: int, causal: bool, scale: float, penalises_own_key: bool = False,
+                 dropout: float = 0.0):
+        self.window, self.sinks, self.causal, self.scale = window, sinks, causal, scale
+        self.penalises_own_key, self.dropout = penalises_own_key, dropout
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
-        length = hidden_states.shape[1]
-        q, k, v, sink_q = self._project(hidden_states, position_ids, past, layer, valid)
-        if layer is not None and layer.state:
-            # A continuation over a filled state; generate() feeds one token at a time (not a hot path).
-            out = torch.cat([self._step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], valid[:, t], layer,
-                                        None if sink_q is None else sink_q[:, :, t:t + 1])
-                             for t in range(length)], dim=2)
-        else:
-            out = self._parallel(q, k, v, valid, layer, sink_q)
-        return self.o_proj(self.merge_heads(out))
+    def own_score(self, dtype: torch.dtype) -> float | None:
+        return mask_values(dtype)[1] if self.penalises_own_key else None
 
-    # -- the parallel form ----------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, valid, layer=None, sink_q=None):
-        batch, heads, length, dim = q.shape
-        order = left_align(valid)
-        q, k, v = gather_tokens(q, order), gather_tokens(k, order), gather_tokens(v, order)
-        sink_q = None if sink_q is None else gather_tokens(sink_q, order)
-        n_real = valid.sum(-1)
-        if layer is not None:
-            layer.start(k, v, n_real)
-        scores, values = window_scores(q, self.expand_kv(k), self.expand_kv(v), n_real, self.window_size, self.sinks,
-                                       self.causal, self.scale, sink_q)
-        probs = F.dropout(scores.softmax(-1), self.dropout if self.training else 0.0, training=self.training)
-        out = torch.einsum("bhcqk,bhckd->bhcqd", probs, values).reshape(batch, heads, -1, dim)[:, :, :length]
-        return restore_order(out, order)
+    def parallel(self, q, k, v, n_real, sink_q=None, far=None, training: bool = False):
+        """Left-aligned q [B, H, L, d], k, v [B, kv_heads, L, .] with `n_real` [B] real tokens: [B, H, L, e] (the
+        blocked or fused op of `attnzoo.ops.window_attention`), merged with `far` when given."""
+        out, lse = window_attention(q, k, v, self.window, self.sinks, self.scale, n_real=n_real, causal=self.causal,
+                                    sink_q=sink_q, own_score=self.own_score(q.dtype), dropout=self.dropout,
+                                    training=training)
+        return out if far is None else merge_far(out, lse, *far)
 
-    # -- decoding -------------------------------------------------------------------------------------------
-    def _step(self, q, k, v, real, layer: WindowStateLayer, sink_q=None):
-        """One new token per row (`real` [B]: whether it is a real token): update the sinks and the ring, then attend
-        to them. Padded tokens leave the state as it was."""
-        position = layer.state["count"]  # [B]: this token's position when real
-        layer.append(k, v, real)
-        keys, values, allowed = layer.visible(position)
-        scores = ring_scores(q, sink_q, self.expand_kv(keys), self.sinks) * self.scale
-        probs = scores.masked_fill(~allowed[:, None, None, :], mask_values(scores.dtype)[0]).softmax(-1)
-        return probs @ self.expand_kv(values)
+    def step(self, q, keys, values, allowed, sink_q=None, far=None):
+        """One query per row, q [B, H, 1, d], over the ring's keys and values [B, kv_heads, S + W, .] (sinks first,
+        the token's own key last; `ring_visible`) where `allowed` [B, S + W]: [B, H, 1, e], merged with `far`."""
+        heads = q.shape[1]
+        keys, values = repeat_kv(keys, heads), repeat_kv(values, heads)
+        scores = ring_scores(q, sink_q, keys, self.sinks) * self.scale
+        masked_value, own_value = mask_values(scores.dtype)
+        scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
+        if self.penalises_own_key:
+            scores = torch.cat([scores[..., :-1], torch.full_like(scores[..., -1:], own_value)], -1)
+        out = scores.softmax(-1) @ values
+        return out if far is None else merge_far(out, scores.logsumexp(-1), *far)
 
-    # -- reference --------------------------------------------------------------------------------------------
-    def reference_forward(self, hidden_states, attention_mask=None, cache=None, position_ids=None):
-        """Dense [L, L] masks over positions counted in real tokens: key j is allowed to query i when it is real,
-        within the window (causal: 0 <= pos_i - pos_j < W; bidirectional: |pos_i - pos_j| < W) or one of the first
-        S real tokens; a padded query sees its own key."""
-        batch, length, _ = hidden_states.shape
-        key_mask = check_attention_mask(attention_mask, batch, length)
-        valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
-                                                                 device=hidden_states.device)
-        q, k, v, sink_q = self._project(hidden_states, position_ids, 0, None, valid)
-        k, v = self.expand_kv(k), self.expand_kv(v)
+    def reference(self, q, k, v, valid, sink_q=None, far=None):
+        """Dense [L, L] masks over the tokens in their own order (`valid` [B, L]), positions counted in real tokens;
+        a padded query sees its own key: [B, H, L, e], merged with `far` when given."""
+        heads, length = q.shape[1], q.shape[2]
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
         if self.causal:
-            allowed, _ = dense_near_and_far(valid, self.window_size, self.sinks)
+            near, _ = dense_near_and_far(valid, self.window, self.sinks)
         else:  # bidirectional: |pos_i - pos_j| < W, and the first S real tokens
-            pos = valid.long().cumsum(-1) - 1  # [B, L]
+            pos = valid.long().cumsum(-1) - 1
             gap = pos[:, :, None] - pos[:, None, :]
-            allowed = ((gap.abs() < self.window_size) | (pos[:, None, :] < self.sinks)) & valid[:, None, :]
-        allowed = allowed | torch.eye(length, dtype=torch.bool, device=q.device)[None] & ~valid[:, :, None]
-        scores = dense_sink_scores((q @ k.transpose(-1, -2)) * self.scale, sink_q, k, valid, self.window_size,
+            near = ((gap.abs() < self.window) | (pos[:, None, :] < self.sinks)) & valid[:, None, :]
+        own = torch.eye(length, dtype=torch.bool, device=q.device)
+        near = near | (own[None] & ~valid[:, :, None])
+        scores = dense_sink_scores((q @ k.transpose(-1, -2)) * self.scale, sink_q, k, valid, self.window,
                                    self.sinks, self.scale)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        return self.o_proj(self.merge_heads(scores.softmax(-1) @ v))
+        if self.penalises_own_key:
+            scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
+        scores = scores.masked_fill(~near[:, None], float("-inf"))
+        out = scores.softmax(-1) @ v
+        return out if far is None else merge_far(out, scores.logsumexp(-1), *far)

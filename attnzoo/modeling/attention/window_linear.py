@@ -24,7 +24,7 @@ keys' b_jp (detached). Block c's keys enter as exp(b_jp − E_cp) <= 1, the pref
 exp(E_bp − E_cp) <= 1 (`decayed_cumsum`), and the levels are folded into the query side:
 exp(a_ip + E_(c−1)p − t_i) with t_i = max_p (a_ip + E_(c−1)p), so every factor is at most 1 and κ_ij =
 exp(t_i) · (the stabilised product). t_i is returned as the far part's log scale and cancels in the one
-normalisation (`window.combine`). A per-feature level keeps a feature whose keys are all small from being flushed to 0
+normalisation (`merge_far`). A per-feature level keeps a feature whose keys are all small from being flushed to 0
 by another feature's large key (as one maximum over all features would), and the running maximum lets no output
 depend on a later token, not even through rounding (docs/random_feature_attention.md, section 2).
 

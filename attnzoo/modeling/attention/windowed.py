@@ -10,10 +10,12 @@ counted in real tokens; W = `window_size`, S = `num_sink_tokens`):
                                       \\________________________/
                                                     |
                  out_i = (Σ_near exp(s_ij) v_j + exp(c_i) num_i) / (Σ_near exp(s_ij) + exp(c_i) den_i)
-                                        (`window.combine`, the one normalisation)
+                                        (`merge_far`, the one normalisation)
 
-`WindowedAttention` owns the near part in all its forms: the blocked parallel form (`window.window_scores` on
-left-aligned rows), the decoding ring (`window.ring_*`: the sinks and the last W tokens) and the dense reference
+`WindowedAttention` holds the near part (`window.NearPart`, one implementation for every windowed layer and for
+"window", which is this layer with no far part) in all its forms: the parallel form on left-aligned rows (the op
+`attnzoo.ops.window_attention`: PyTorch's fused flash-attention kernel on the CPU, about L * W work per head, or the
+blocked PyTorch path), the decoding ring (`window.ring_*`: the sinks and the last W tokens) and the dense reference
 (`window.dense_near_and_far`). A `FarPart` gives the rest, over the far keys only, in the same three forms:
 
 - `parallel(q, k, v, n_real, recompute, state)`: (num [B, H, L, e], den [B, H, L], log scale [B, H, L]) for every
@@ -24,6 +26,10 @@ left-aligned rows), the decoding ring (`window.ring_*`: the sinks and the last W
   counts the token.
 - `reference(q, k, v, valid, far, recompute)`: the same triple, written plainly over a dense [B, L, L] far mask in
   the tokens' own order.
+
+Each form's triple must have the shapes [B, H, Q, e], [B, H, Q], [B, H, Q] (Q: its queries); the layer checks them
+on every call (`check_far_outputs`: shape comparisons on the host, no device sync) and names the far part when one
+is wrong, rather than failing, or broadcasting silently, inside `merge_far`.
 
 The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
 near part's, unless the layer's `far_positions` is "none" (then before rotation, the queries scaled as
@@ -36,10 +42,11 @@ the numerator, 1 as the denominator and its log-sum-exp of scores as the log sca
 without far keys gets the log scale -inf.
 
 A far part is registered with `@register_far_part("name")`, which also registers the attention kind
-"name_window": a `WindowedAttention` whose `far_part_class` it is. The far part is built as `cls(layer, config)`
-and may add parameters and buffers to the layer (under its plain family's names, so a checkpoint's keys do not
-depend on whether the family's attention is windowed: FAVOR+'s `eval_projection`, LARA's `landmark_q`). Adding one
-from user code is one file: docs/adding_an_attention.md ("A far part for the windowed layer").
+"name_window": a `WindowedAttention` whose `far_part_class` it is (both names or neither). The far part is built as
+`cls(layer, config)` and may add parameters and buffers to the layer (under its plain family's names, so a
+checkpoint's keys do not depend on whether the family's attention is windowed: FAVOR+'s `eval_projection`, LARA's
+`landmark_q`). Adding one from user code is one file: docs/adding_an_attention.md ("A far part for the windowed
+layer").
 """
 
 from __future__ import annotations
@@ -51,31 +58,30 @@ from typing import ClassVar
 import torch
 
 from attnzoo.modeling.attention.base import (
+    ATTENTION_REGISTRY,
     DrawsPerForward,
     InitialisesBuffers,
     UsesRecomputation,
     ZooAttention,
     check_attention_mask,
     register_attention,
+    replaceable,
 )
 from attnzoo.modeling.attention.window import (
-    combine,
+    NearPart,
+    WindowStateLayer,
     dense_near_and_far,
-    dense_sink_scores,
     gather_tokens,
     left_align,
     new_token_inputs,
     restore_order,
     ring_append,
     ring_leaving,
-    ring_scores,
     ring_start,
     ring_visible,
     sink_queries,
-    window_scores,
 )
 from attnzoo.modeling.cache import RecurrentStateLayer
-from attnzoo.ops.chunked_attention import mask_values, pad_to_multiple
 
 FAR_PART_REGISTRY: dict[str, type[FarPart]] = {}
 
@@ -94,6 +100,26 @@ def normalised_far(logits: torch.Tensor, values: torch.Tensor):
     lse = log_far_mass(logits)
     weights = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return weights @ values, torch.ones_like(lse), lse
+
+
+def check_far_outputs(layer: WindowedAttention, form: str, outputs, q: torch.Tensor, v: torch.Tensor):
+    """`outputs`, a far part's (numerator, denominator, log scale) from its form `form` for queries q [B, H, Q, d]
+    and values v [B, kv_heads, K, e], if they have the contract's shapes [B, H, Q, e], [B, H, Q], [B, H, Q]; else a
+    ValueError naming the far part, rather than a broadcasting error (or a silent broadcast) inside `merge_far`. Only
+    host-side shape comparisons, no device sync: cheap enough for every call, decoding steps included."""
+    batch, heads, queries = q.shape[:3]
+    expected = ((batch, heads, queries, v.shape[-1]), (batch, heads, queries), (batch, heads, queries))
+    triple = isinstance(outputs, tuple | list) and len(outputs) == 3
+    if triple and all(isinstance(x, torch.Tensor) for x in outputs):
+        if tuple(tuple(x.shape) for x in outputs) == expected:
+            return outputs
+        got = "shapes " + ", ".join(str(list(x.shape)) for x in outputs)
+    else:
+        got = f"a {type(outputs).__name__}" + (f" of {len(outputs)}" if isinstance(outputs, tuple | list) else "")
+    raise ValueError(f"far part {type(layer.far).__name__} (attention {layer.name!r}): {form}() returned {got}; it "
+                     "must return three tensors (numerator, denominator, log scale) of shapes "
+                     f"{', '.join(str(list(shape)) for shape in expected)} ([batch, heads, queries, value width], "
+                     "[batch, heads, queries] twice; the contract is in attnzoo/modeling/attention/windowed.py).")
 
 
 class FarPart:
@@ -176,51 +202,82 @@ class FarPart:
 
 
 class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, ZooAttention):
-    """An exact window with sinks plus the far part `far_part_class`, under one normalisation (module docstring).
-    Causal (decoder) layers only. The window always sees rotary positions; the far part sees the queries and keys
-    `far_positions` gives it (`far_view`)."""
+    """An exact window with sinks (`window.NearPart`) plus the far part `far_part_class`, under one normalisation
+    (module docstring). With a far part, causal (decoder) layers only; without one (`far_part_class` None: the
+    "window" attention), bidirectional layers too. The window always sees rotary positions; the far part sees the
+    queries and keys `far_positions` gives it (`far_view`)."""
 
-    far_part_class: ClassVar[type[FarPart]]
+    far_part_class: ClassVar[type[FarPart] | None]
     position_free_far_part = True
 
     def __init__(self, config, layer_idx: int, causal: bool):
         far_part_class = self.far_part_class
-        if not causal:
+        if not causal and far_part_class is not None:
             raise ValueError(f"attention {self.name!r} is for causal (decoder) layers: set is_decoder=True for a "
                              "decoder-only model, or list it in decoder_attn_layers of an encoder-decoder; in "
                              f"encoders use {far_part_class.plain_kind or 'another attention'!r} or 'window'.")
-        field = far_part_class.head_size_field
+        field = far_part_class.head_size_field if far_part_class is not None else None
         super().__init__(config, layer_idx, causal, head_dim=getattr(config, field) if field else None)
         self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
         self.sink_positions = config.sink_positions
-        self.far = far_part_class(self, config)
+        if far_part_class is None:
+            self.build_projections()
+            self.far = None
+            self.window_dropout = config.attention_probs_dropout_prob
+        else:
+            self.far = far_part_class(self, config)
+
+    @property
+    def near(self) -> NearPart:
+        """The near part with the layer's scoring (`FarPart.scale`, `penalises_own_key`) and dropout now."""
+        if self.far is None:
+            return NearPart(self.window_size, self.sinks, self.causal, 1.0 / math.sqrt(self.head_dim),
+                            dropout=self.window_dropout)
+        return NearPart(self.window_size, self.sinks, True, self.far.scale, self.far.penalises_own_key,
+                        self.far.near_dropout)
 
     def start_forward(self) -> None:
-        self.far.start_forward()
+        if self.far is not None:
+            self.far.start_forward()
 
     def init_buffers(self) -> None:
-        self.far.init_buffers()
+        if self.far is not None:
+            self.far.init_buffers()
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.far.loaded()
+        if self.far is not None:
+            self.far.loaded()
 
     def new_cache_layer(self):
-        return self.far.new_cache_layer()
+        return WindowStateLayer(self.window_size, self.sinks) if self.far is None else self.far.new_cache_layer()
 
     def new_static_cache_layer(self, max_cache_len: int):
         return None  # the ring and the far states are updated out of place: no static slot yet
+
+    def _project(self, hidden_states):
+        if self.far is not None:
+            return self.far.project(hidden_states)
+        return tuple(self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def _output(self, x):
+        return self.o_proj(x) if self.far is None else self.far.output(x)
+
+    def _near_keys(self, k):
+        """The keys the near part scores against (shared QK: normalised, one per query head)."""
+        return k if self.far is None else self.far.near_keys(k)
 
     def _views(self, hidden_states, position_ids, past, layer=None, valid=None):
         """(q, k, v, q_far, k_far, sink_q): the near part's rotated queries and keys, the values, what the far part
         sees (the same tensors unless `far_positions` says otherwise) and the queries that score the sinks
         (`window.sink_queries`: None when they are q)."""
-        q, k, v = self.far.project(hidden_states)
+        q, k, v = self._project(hidden_states)
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
         q_rotated, k_rotated = self.rotate(q, rotation), self.rotate(k, rotation)
-        return (q_rotated, k_rotated, v, *self.far_view(q, k, q_rotated, k_rotated, position_ids, past),
-                sink_queries(self, q, position_ids, past, layer, valid))
+        far_q, far_k = (q_rotated, k_rotated) if self.far is None else self.far_view(q, k, q_rotated, k_rotated,
+                                                                                       position_ids, past)
+        return q_rotated, k_rotated, v, far_q, far_k, sink_queries(self, q, position_ids, past, layer, valid)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
         layer, past, valid = new_token_inputs(self, hidden_states, attention_mask, cache)
@@ -233,35 +290,34 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
                                         None if sink_q is None else sink_q[:, :, t:t + 1])
                              for t in range(hidden_states.shape[1])], dim=2)
         else:
-            out = self._parallel(q, k, v, q_far, k_far, valid, layer, recompute, sink_q)
-        return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
+            out = self._parallel(q, k, v, q_far, k_far, valid, layer, recompute, sink_q,
+                                 all_real=attention_mask is None)
+        return self._output(self.merge_heads(out.to(hidden_states.dtype)))
 
     # -- the parallel form -----------------------------------------------------------------------------------------
-    def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute, sink_q=None):
-        batch, heads, length, _ = q.shape
-        w = self.window_size
-        order = left_align(valid)
-        far_q = None if q_far is q else gather_tokens(q_far, order)
-        far_k = None if k_far is k else gather_tokens(k_far, order)
-        sink_q = None if sink_q is None else gather_tokens(sink_q, order)
-        q, k, v = (gather_tokens(x, order) for x in (q, k, v))
+    def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute, sink_q=None, all_real=False):
+        """Rows left-aligned (each row's real tokens first: a sequence index is then a real position; skipped when
+        no mask was given, so every token is real), the near part over them, the far part merged."""
+        length = q.shape[2]
+        order = None if all_real else left_align(valid)
+
+        def aligned(x):
+            return x if x is None or order is None else gather_tokens(x, order)
+
+        far_q = None if q_far is q else aligned(q_far)
+        far_k = None if k_far is k else aligned(k_far)
+        sink_q = aligned(sink_q)
+        q, k, v = aligned(q), aligned(k), aligned(v)
         n_real = valid.sum(-1)
-        far = self.far.parallel(q if far_q is None else far_q, k if far_k is None else far_k, v, n_real, recompute,
-                                layer)
+        far = None
+        if self.far is not None:
+            far = check_far_outputs(self, "parallel", self.far.parallel(q if far_q is None else far_q,
+                                                                          k if far_k is None else far_k, v, n_real,
+                                                                          recompute, layer), q, v)
         if layer is not None:
-            layer.store(length, **ring_start(k, v, n_real, w, self.sinks, far_k))
-        scores, values = window_scores(q, self.far.near_keys(k), self.expand_kv(v), n_real, w, self.sinks, True,
-                                       self.far.scale, sink_q)  # [B, H, blocks, w, keys]
-        blocks, num_keys = scores.shape[2], scores.shape[-1]
-        if self.far.penalises_own_key:  # block row i's own key is window column w + i, after the sink columns
-            own_column = min(self.sinks, blocks * w) + w + torch.arange(w, device=q.device)
-            own = torch.arange(num_keys, device=q.device)[None, :] == own_column[:, None]  # [w, keys]
-            scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
-        # query rows past L (block padding) get no far part: log scale -inf
-        num, den, log_scale = (pad_to_multiple(x, w, dim=2, value=fill).view(batch, heads, blocks, w, *x.shape[3:])
-                               for x, fill in zip(far, (0.0, 0.0, float("-inf")), strict=True))
-        out = combine(scores, values, num, den, log_scale, self.far.near_dropout, self.training)
-        return restore_order(out.reshape(batch, heads, blocks * w, -1)[:, :, :length], order)
+            layer.store(length, **ring_start(k, v, n_real, self.window_size, self.sinks, far_k))
+        out = self.near.parallel(q, self._near_keys(k), v, n_real, sink_q, far, self.training)
+        return out if order is None else restore_order(out, order)
 
     # -- decoding --------------------------------------------------------------------------------------------------
     def _step(self, q, k, v, q_far, real, layer, far_k=None, sink_q=None):
@@ -274,14 +330,12 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         leaving = ring_leaving(state, real, self.window_size, self.sinks)
         ring = ring_append(state, k, v, real, self.sinks, far_k)  # the tensors that change (no sinks: none of theirs)
         keys, values, allowed = ring_visible({**state, **ring}, position, self.window_size, self.sinks)
-        far = self.far.step(layer, q_far, k if far_k is None else far_k, v, real, position, leaving)
+        far = None
+        if self.far is not None:
+            far = check_far_outputs(self, "step", self.far.step(layer, q_far, k if far_k is None else far_k, v, real,
+                                                                  position, leaving), q, v)
         layer.store(1, **ring)
-        scores = ring_scores(q, sink_q, self.far.near_keys(keys), self.sinks) * self.far.scale
-        masked_value, own_value = mask_values(scores.dtype)
-        scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
-        if self.far.penalises_own_key:  # the ring's last key is the token itself
-            scores = torch.cat([scores[..., :-1], torch.full_like(scores[..., -1:], own_value)], -1)
-        return combine(scores, self.expand_kv(values), *far)
+        return self.near.step(q, self._near_keys(keys), values, allowed, sink_q, far)
 
     # -- reference --------------------------------------------------------------------------------------------------
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
@@ -292,37 +346,52 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         valid = key_mask if key_mask is not None else torch.ones(batch, length, dtype=torch.bool,
                                                                  device=hidden_states.device)
         q, k, v, q_far, k_far, sink_q = self._views(hidden_states, position_ids, 0, None, valid)
-        near, far = dense_near_and_far(valid, self.window_size, self.sinks)
-        own = torch.eye(length, dtype=torch.bool, device=q.device)
-        near = near | (own[None] & ~valid[:, :, None])
-        near_keys = self.far.near_keys(k)
-        scores = dense_sink_scores((q @ near_keys.transpose(-1, -2)) * self.far.scale, sink_q, near_keys, valid,
-                                   self.window_size, self.sinks, self.far.scale)
-        if self.far.penalises_own_key:
-            scores = scores.masked_fill(own, mask_values(scores.dtype)[1])
-        out = combine(scores.masked_fill(~near[:, None], float("-inf")), self.expand_kv(v),
-                      *self.far.reference(q_far, k_far, v, valid, far, recompute))
-        return self.far.output(self.merge_heads(out.to(hidden_states.dtype)))
+        far_part = None
+        if self.far is not None:
+            far = dense_near_and_far(valid, self.window_size, self.sinks)[1]
+            far_part = check_far_outputs(self, "reference", self.far.reference(q_far, k_far, v, valid, far,
+                                                                                 recompute), q, v)
+        out = self.near.reference(q, self._near_keys(k), v, valid, sink_q, far_part)
+        return self._output(self.merge_heads(out.to(hidden_states.dtype)))
+
+
+@register_attention("window")
+class WindowAttention(WindowedAttention):
+    """Exact softmax over the last `window_size` tokens and the first `num_sink_tokens` ones: the windowed layer
+    with no far part. Bidirectional layers see `window_size - 1` tokens to each side. See `window.py`."""
+
+    far_part_class = None
+    family_config = "ZooWindowSettings"
+    position_free_far_part = False
 
 
 def register_far_part(name: str):
     """Class decorator: make a `FarPart` available as `name`, and the windowed layer with it as the attention kind
     `f"{name}_window"`. The layer class (`cls.layer_class`, named Windowed<Name>Attention after the far part's class
     <Name>FarPart) is also put in the far part's module, so that pickling and checkpoints' remote code find it
-    there by name."""
+    there by name. Both names are registered or neither: a clash is refused before either registry changes, so a
+    corrected retry is not refused as a half registration. Decorating the same class again changes nothing."""
 
     def add(cls: type[FarPart]) -> type[FarPart]:
         kind = f"{name}_window"
-        if name in FAR_PART_REGISTRY and FAR_PART_REGISTRY[name] is not cls:
-            raise ValueError(f"far part name {name!r} is already registered to {FAR_PART_REGISTRY[name].__name__}")
-        FAR_PART_REGISTRY[name] = cls
+        registered, clash = FAR_PART_REGISTRY.get(name), ATTENTION_REGISTRY.get(kind)
+        if registered is cls and clash is getattr(cls, "layer_class", None):
+            return cls
+        if registered is not None and not replaceable(registered):
+            raise ValueError(f"far part name {name!r} is already registered to {registered.__name__} (module "
+                             f"{registered.__module__}); give {cls.__name__} another name in @register_far_part.")
+        if clash is not None and not replaceable(clash):
+            raise ValueError(f"far part name {name!r} would register the attention kind {kind!r}, which is already "
+                             f"registered to {clash.__name__} (module {clash.__module__}); give {cls.__name__} "
+                             "another name in @register_far_part (nothing was registered).")
         class_name = f"Windowed{cls.__name__.removesuffix('FarPart')}Attention"
         layer_class = type(class_name, (WindowedAttention,), {
             "far_part_class": cls, "family_config": (cls.family_config, "ZooWindowSettings"),
             "projection_names": cls.projection_names,
             "__module__": cls.__module__, "__qualname__": class_name,
             "__doc__": f"An exact window with sinks plus the far part {cls.__name__}, under one normalisation."})
-        register_attention(kind)(layer_class)
+        register_attention(kind)(layer_class)  # cannot refuse now: the kind is free (or a checkpoint copy's)
+        FAR_PART_REGISTRY[name] = cls
         cls.layer_class = layer_class
         vars(sys.modules[cls.__module__])[class_name] = layer_class
         return cls

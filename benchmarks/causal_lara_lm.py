@@ -5,7 +5,8 @@
 
 Each family trains the same decoder (same sizes, data, seed, optimiser and number of steps) with scripts/train_lm.py
 on the English text CPython ships, and is scored by held-out bits/dim. Results:
-benchmarks/results/causal_lara_lm.json and .png (the training curves).
+benchmarks/results/causal_lara_lm.json and .png (the training curves), replaced only by a report of the same setup
+(another setup's goes beside it); --output_dir is a folder of this benchmark's own runs (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
+
+from owned_outputs import OutputFolder, exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/causal_lara_lm"
 # LARA pins the noise scale its committed results were measured with (the family default was "official" then).
 FAMILY_SETTINGS = {"softmax": [], "performer": ["num_random_features=64"],
                    "lara": ["lara_num_samples=16", "lara_chunk_size=64", "sample_noise_std=official"]}
@@ -29,7 +36,7 @@ def train_lm():
     return module
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--block_size", type=int, default=512)
@@ -37,13 +44,21 @@ def main():
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--output_dir", type=Path, default=Path("runs/causal_lara_lm"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    setup = {k: getattr(args, k) for k in ("steps", "block_size", "batch", "hidden", "layers")}
+    setup["family_settings"] = FAMILY_SETTINGS
+    # before anything is trained: the folder of runs and the report file are the benchmark's own (or new)
+    runs = OutputFolder(args.output_dir, SCRIPT)
+    target = report_target(RESULTS / "causal_lara_lm.json", setup,
+                           require_keys("setup", "results", "summary", benchmark="causal_lara_lm"), f"{SCRIPT}.py",
+                           flag="the report")
     script = train_lm()
     results = {}
     for family, extra in FAMILY_SETTINGS.items():
         out = args.output_dir / family
+        runs.clear(family)  # the benchmark's earlier run, by its record: each run starts over
         bpd = script.main([
-            "--family", family, "--output_dir", str(out), "--overwrite_output_dir",
+            "--family", family, "--output_dir", str(out),
             "--max_train_steps", str(args.steps),
             "--block_size", str(args.block_size), "--per_device_train_batch_size", str(args.batch),
             "--learning_rate", "2e-3", "--num_warmup_steps", str(max(1, args.steps // 15)), "--sample_tokens", "0",
@@ -58,12 +73,9 @@ def main():
     summary = {f"{family}_minus_softmax_bits_per_dim": r["eval_bits_per_dim"] - results["softmax"]["eval_bits_per_dim"]
                for family, r in results.items() if family != "softmax"}
     print(json.dumps(summary, indent=2))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "causal_lara_lm.json"
-    setup = {k: getattr(args, k) for k in ("steps", "block_size", "batch", "hidden", "layers")}
-    setup["family_settings"] = FAMILY_SETTINGS
-    out.write_text(json.dumps({"setup": setup, "results": results, "summary": summary}, indent=2))
-    plot(results, out.with_suffix(".png"), setup)
+    write_report(target, {"benchmark": "causal_lara_lm", "setup": setup, "results": results, "summary": summary},
+                 indent=2)
+    plot(results, target.with_suffix(".png"), setup)
 
 
 def plot(results, path, setup):
@@ -92,4 +104,4 @@ def plot(results, path, setup):
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -24,14 +24,15 @@ One command does all of it, on the English text CPython ships (byte-level; held-
    length, and the tokens and seconds each conversion took.
 Writes benchmarks/results/conversion_recovery.json (every figure, the setup, the commands) and conversion_recovery.png,
 and rewrites README.md's recovery table from them (`--readme_only` does just that). Finished runs and evaluations in
---output_dir are read instead of redone (`--retrain` redoes them).
+--output_dir are read instead of redone (`--retrain` redoes them). --output_dir is a folder of this benchmark's own
+runs, --results is replaced only by a report of the same setup (another setup's goes beside it), and README.md's table
+is rewritten only from the committed report (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,15 @@ sys.path.insert(0, str(Path(__file__).parent))  # the uptraining benchmarks' run
 
 from harness import cache_state_bytes, write_between_markers  # noqa: E402
 from llama_uptraining import has_own_parameters, save_llama_source_init  # noqa: E402
+from owned_outputs import (  # noqa: E402
+    OutputFolder,
+    exit_on_refusal,
+    publishes_tables,
+    read_report,
+    report_target,
+    require_keys,
+    write_report,
+)
 from uptraining import (  # noqa: E402
     FINETUNE_RECIPE,
     RECOVERY_METRICS,
@@ -52,7 +62,14 @@ from uptraining import (  # noqa: E402
     train,
 )
 
+from attnzoo.training.run_dir import record_outputs  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
+#: the committed report: the only one README.md's table is rendered from
+COMMITTED_RESULTS = RESULTS / "conversion_recovery.json"
+SCRIPT = "benchmarks/conversion_recovery"
+#: what makes a results file this benchmark's report (with the same setup, it is replaced)
+REPORT_KEYS = ("setup", "source", "baselines", "conversions", "summary")
 README = ROOT / "README.md"
 TABLE_START, TABLE_END = "<!-- conversion_recovery table: start -->", "<!-- conversion_recovery table: end -->"
 #: 4 sinks, as StreamingLLM (arXiv 2309.17453) and the baseline's paper use
@@ -108,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm_eval_limit", type=int, default=200, help="documents per lm-eval task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/conversion_recovery"))
-    p.add_argument("--results", type=Path, default=RESULTS / "conversion_recovery.json")
+    p.add_argument("--results", type=Path, default=COMMITTED_RESULTS)
     p.add_argument("--retrain", action="store_true", help="redo runs and evaluations that already finished")
     p.add_argument("--readme_only", action="store_true",
                    help="only rewrite README.md's table from the results file (no runs)")
@@ -184,10 +201,14 @@ def measure(folder: Path, args, log: list[str]) -> dict:
     if not state_file.is_file():
         state_file.write_text(json.dumps(decode_state_bytes(folder, [args.block_size, 8 * args.block_size],
                                                             args.seed)))
-    return {"bits_per_dim": bits_per_dim(folder, out, args, log),
-            "lm_eval": lm_eval(folder, out, args, log),
-            "passkey_accuracy": passkey(folder, out, args, log),
-            "decode_state_bytes": json.loads(state_file.read_text())}
+    figures = {"bits_per_dim": bits_per_dim(folder, out, args, log),
+               "lm_eval": lm_eval(folder, out, args, log),
+               "passkey_accuracy": passkey(folder, out, args, log),
+               "decode_state_bytes": json.loads(state_file.read_text())}
+    # the model folder's record lists what the evaluations wrote into it (their files and the model card), so that
+    # a redo deletes them with the rest
+    record_outputs(folder, [out.name, "README.md"])
+    return figures
 
 
 def equal_memory_baseline(state: int, baselines: dict[str, dict], context: str) -> str:
@@ -282,25 +303,41 @@ def update_readme(report: dict, readme: Path = README) -> None:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.readme_only:
-        report = json.loads(args.results.read_text())
-        update_readme(report)
+        report = read_report(args.results, require_keys(*REPORT_KEYS, benchmark="conversion_recovery"), f"{SCRIPT}.py")
+        if publishes_tables(args.results, COMMITTED_RESULTS):
+            update_readme(report)
+        else:
+            print(f"{args.results} is not the committed report: README.md shows {relative(COMMITTED_RESULTS)}.")
         return report
     check_arguments(args)
     out, log, reused, started = args.output_dir, [], [], time.time()
-    out.mkdir(parents=True, exist_ok=True)
+    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+             if k not in ("retrain", "readme_only")}
+    setup.update(source_model="transformers LlamaForCausalLM (GQA, RMSNorm, SwiGLU, RoPE)",
+                 corpus="CPython pydoc topics, byte-level, with passkey sequences mixed in",
+                 conversions={n: dict(zip(("family", "settings", "passkey_data"), CONVERSIONS[n], strict=True))
+                              for n in args.conversions},
+                 finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
+                 recovery_metrics=[k for k, _ in RECOVERY_METRICS])
+    # before anything is trained: the folder of runs and the report file are the benchmark's own (or new)
+    runs = OutputFolder(out, SCRIPT)
+    target = report_target(args.results, setup, require_keys(*REPORT_KEYS, benchmark="conversion_recovery"),
+                           f"{SCRIPT}.py")
 
     def fresh(folder: Path, marker: str = "all_results.json") -> bool:
+        runs.path(folder.name)  # a folder the benchmark did not make is refused
         if (folder / marker).is_file() and not args.retrain:
             reused.append(folder.name)
             return False
-        if folder.exists():
-            shutil.rmtree(folder)
+        runs.clear(folder.name)  # the benchmark's earlier run, by its record
         return True
 
     passkey_data = ["--passkey_fraction", args.passkey_fraction]
     source_init, source = out / "source_init", out / "source"
     if execute := fresh(source):
+        runs.clear(source_init.name)
         save_llama_source_init(source_init, args, special_tokens=True)
+        runs.saved(source_init.name, None)
     train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
           execute=execute, extra=[*passkey_data, "--train_stride", args.source_train_stride])
     report = {"source": {**measure(source, args, log), "run": read_run(source)},
@@ -321,38 +358,29 @@ def main(argv=None) -> dict:
                                              ("converted", "transferred", "finetuned"))
         run(["-m", "attnzoo.convert.llama", source, converted, "--family", family, "--seed", args.seed,
              "--model", *settings], log, fresh(converted, "config.json"))
-        runs = []
+        runs_read = []
         if has_own_parameters(converted):
             run(["scripts/transfer_attention.py", "--teacher", source, "--student", converted,
-                 "--output_dir", transferred, "--overwrite_output_dir", "--max_train_steps", args.transfer_steps,
+                 "--output_dir", transferred, "--max_train_steps", args.transfer_steps,
                  "--learning_rate", args.transfer_learning_rate, "--block_size", args.block_size,
                  "--per_device_train_batch_size", args.batch, "--seed", args.seed, *data], log, fresh(transferred))
-            runs.append(json.loads((transferred / "all_results.json").read_text()))
-        start = transferred if runs else converted
+            runs_read.append(json.loads((transferred / "all_results.json").read_text()))
+        start = transferred if runs_read else converted
         execute = fresh(finetuned)
         train(start, finetuned, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE, execute=execute, extra=data)
-        runs.append(json.loads((finetuned / "all_results.json").read_text()))
+        runs_read.append(json.loads((finetuned / "all_results.json").read_text()))
         report["conversions"][name] = {
             "family": family, "settings": settings, "passkey_data": with_passkey,
-            "train_tokens": sum(r["train_steps"] for r in runs) * args.batch * args.block_size,
-            "train_seconds": round(sum(r["train_seconds"] for r in runs), 1),
-            "transferred": len(runs) == 2, **measure(finetuned, args, log)}
+            "train_tokens": sum(r["train_steps"] for r in runs_read) * args.batch * args.block_size,
+            "train_seconds": round(sum(r["train_seconds"] for r in runs_read), 1),
+            "transferred": len(runs_read) == 2, **measure(finetuned, args, log)}
 
-    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-             if k not in ("retrain", "readme_only")}
-    setup.update(source_model="transformers LlamaForCausalLM (GQA, RMSNorm, SwiGLU, RoPE)",
-                 corpus="CPython pydoc topics, byte-level, with passkey sequences mixed in",
-                 conversions={n: dict(zip(("family", "settings", "passkey_data"), CONVERSIONS[n], strict=True))
-                              for n in args.conversions},
-                 finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
-                 recovery_metrics=[k for k, _ in RECOVERY_METRICS])
-    report = {"setup": setup, **report}
+    report = {"benchmark": "conversion_recovery", "setup": setup, **report}
     report["summary"] = summarize(report)
     report.update(commands=log, reused_runs=reused, wall_seconds=round(time.time() - started, 1))
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=2))
-    plot(report, args.results.with_suffix(".png"))
-    if args.results == RESULTS / "conversion_recovery.json":  # the committed results: the README shows them
+    write_report(target, report, indent=2)
+    plot(report, target.with_suffix(".png"))
+    if publishes_tables(target, COMMITTED_RESULTS):  # the committed results: the README shows them
         update_readme(report)
     print(json.dumps(report["summary"], indent=2))
     return report
@@ -400,4 +428,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -22,7 +22,9 @@ scripts/train_lm.py splits it):
 For every stage it reports held-out bits/dim and swap fidelity, KL(source || model) in bits per token on held-out
 blocks. Writes benchmarks/results/llama_uptraining.json (every figure, the curves, the setup and the commands) and
 llama_uptraining.png, and rewrites README.md's table from them (`--readme_only` does just that). Runs already
-finished in --output_dir are read instead of redone (`--retrain` redoes them).
+finished in --output_dir are read instead of redone (`--retrain` redoes them). --output_dir is a folder of this
+benchmark's own runs, --results is replaced only by a report of the same setup (another setup's goes beside it), and
+README.md's table is rewritten only from the committed report (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -38,9 +39,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # the GPT-2 uptraining benchmark's run helpers
 
 from harness import write_between_markers  # noqa: E402
+from owned_outputs import (  # noqa: E402
+    OutputFolder,
+    exit_on_refusal,
+    publishes_tables,
+    read_report,
+    report_target,
+    require_keys,
+    write_report,
+)
 from uptraining import FINETUNE_RECIPE, ROOT, read_run, relative, run, save_scratch_init, train  # noqa: E402
 
+from attnzoo.training.run_dir import record_outputs  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
+#: the committed report: the only one README.md's table is rendered from
+COMMITTED_RESULTS = RESULTS / "llama_uptraining.json"
+SCRIPT = "benchmarks/llama_uptraining"
+#: what makes a results file this benchmark's report (with the same setup, it is replaced)
+REPORT_CHECK = require_keys("setup", "summary", "source_run", "conversions", benchmark="llama_uptraining")
 #: `--model` of each conversion; the from-scratch runs use the converted config as it is
 CONVERSIONS = {
     "performer": ("performer", ["feature_redraw=learned", "num_random_features=64"]),
@@ -76,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl_blocks", type=int, default=64, help="held-out blocks the KL is averaged over")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/llama_uptraining"))
-    p.add_argument("--results", type=Path, default=RESULTS / "llama_uptraining.json")
+    p.add_argument("--results", type=Path, default=COMMITTED_RESULTS)
     p.add_argument("--retrain", action="store_true", help="redo runs that already finished")
     p.add_argument("--readme_only", action="store_true",
                    help="only rewrite README.md's table from the results file (no runs)")
@@ -171,6 +188,7 @@ def evaluate(folder: Path, args, log: list[str], execute: bool) -> float:
     result_file = folder / "evaluation.json"
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--block_size", args.block_size,
          "--output_file", result_file], log, execute and not result_file.is_file())
+    record_outputs(folder, [result_file.name])  # the model folder's record lists it: a redo deletes it with the rest
     return json.loads(result_file.read_text())["bits_per_dim"]
 
 
@@ -187,22 +205,39 @@ def has_own_parameters(folder: Path) -> bool:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.readme_only:
-        report = json.loads(args.results.read_text())
-        update_readme(report)
+        report = read_report(args.results, REPORT_CHECK, f"{SCRIPT}.py")
+        if publishes_tables(args.results, COMMITTED_RESULTS):
+            update_readme(report)
+        else:
+            print(f"{args.results} is not the committed report: README.md shows {relative(COMMITTED_RESULTS)}.")
         return report
     out, log, reused, started = args.output_dir, [], [], time.time()
     source_init, source = out / "source_init", out / "source"
+    budget = args.source_steps + args.transfer_steps + args.finetune_steps
+    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
+    setup.update(scratch_steps=budget, finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
+                 source_model="transformers LlamaForCausalLM (GQA, RMSNorm, SwiGLU, RoPE)",
+                 corpus="CPython pydoc topics, byte-level", conversions={n: CONVERSIONS[n] for n in args.conversions})
+    # before anything is trained: the folder of runs and the report file are the benchmark's own (or new)
+    runs = OutputFolder(out, SCRIPT)
+    target = report_target(args.results, setup, REPORT_CHECK, f"{SCRIPT}.py")
 
     def fresh(folder: Path, marker: str = "all_results.json") -> bool:
+        runs.path(folder.name)  # a folder the benchmark did not make is refused
         if (folder / marker).is_file() and not args.retrain:
             reused.append(folder.name)
             return False
-        if folder.exists():
-            shutil.rmtree(folder)
+        runs.clear(folder.name)  # the benchmark's earlier run, by its record
         return True
 
+    def save_init(folder: Path, save, *save_args) -> None:
+        """A fresh initialisation saved into the benchmark's own folder (its earlier one cleared by its record)."""
+        runs.clear(folder.name)
+        save(*save_args)
+        runs.saved(folder.name, None)
+
     if execute := fresh(source):
-        save_llama_source_init(source_init, args)
+        save_init(source_init, save_llama_source_init, source_init, args)
     train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
           execute=execute)
     source_run = read_run(source)
@@ -210,7 +245,6 @@ def main(argv=None) -> dict:
     # bits/dim change per 1000 steps over the last three evaluations: how flat the source is
     source_run["final_slope_per_1000_steps"] = (curve[-1] - curve[-3]) / (2 * args.eval_every) * 1000 \
         if len(curve) >= 3 else None
-    budget = args.source_steps + args.transfer_steps + args.finetune_steps
 
     results = {}
     for name in args.conversions:
@@ -225,7 +259,7 @@ def main(argv=None) -> dict:
         transfer_run = None
         if has_own_parameters(converted):
             run(["scripts/transfer_attention.py", "--teacher", source, "--student", converted,
-                 "--output_dir", transferred, "--overwrite_output_dir", "--max_train_steps", args.transfer_steps,
+                 "--output_dir", transferred, "--max_train_steps", args.transfer_steps,
                  "--learning_rate", args.transfer_learning_rate, "--block_size", args.block_size,
                  "--per_device_train_batch_size", args.batch, "--seed", args.seed], log,
                 fresh(transferred))
@@ -235,7 +269,7 @@ def main(argv=None) -> dict:
         train(start, finetuned, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE, execute=fresh(finetuned))
         stages["finetuned"] = finetuned
         if execute := fresh(scratch):
-            save_scratch_init(converted, scratch_init, args.seed)
+            save_init(scratch_init, save_scratch_init, converted, scratch_init, args.seed)
         train(scratch_init, scratch, budget, args, log, learning_rate=args.source_learning_rate, execute=execute)
         bits = {stage: evaluate(folder, args, log, True) for stage, folder in stages.items()}
         kl = kl_from_source(source, stages, args)
@@ -253,16 +287,12 @@ def main(argv=None) -> dict:
                          "scratch_same_budget_bits_per_dim": r["scratch_bits_per_dim"],
                          "finetuned_minus_source": final - source_bpd,
                          "finetuned_minus_scratch": final - r["scratch_bits_per_dim"]}
-    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
-    setup.update(scratch_steps=budget, finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
-                 source_model="transformers LlamaForCausalLM (GQA, RMSNorm, SwiGLU, RoPE)",
-                 corpus="CPython pydoc topics, byte-level", conversions={n: CONVERSIONS[n] for n in args.conversions})
-    report = {"setup": setup, "summary": summary, "source_run": source_run, "conversions": results,
-              "commands": log, "reused_runs": reused, "wall_seconds": round(time.time() - started, 1)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=2))
-    plot(report, args.results.with_suffix(".png"))
-    if args.results == RESULTS / "llama_uptraining.json":  # the committed results: the README shows them
+    report = {"benchmark": "llama_uptraining", "setup": setup, "summary": summary, "source_run": source_run,
+              "conversions": results, "commands": log, "reused_runs": reused,
+              "wall_seconds": round(time.time() - started, 1)}
+    write_report(target, report, indent=2)
+    plot(report, target.with_suffix(".png"))
+    if publishes_tables(target, COMMITTED_RESULTS):  # the committed results: the README shows them
         update_readme(report)
     print(json.dumps(summary, indent=2))
     return report
@@ -302,4 +332,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -47,6 +47,12 @@ plot and the tables from the JSON's figures). Finished
 runs and evaluations in --output_dir are read instead of redone (`--retrain` redoes them), and so are the figures
 --results holds for models of the same setup whose runs are not there (a fresh checkout: the committed JSON, no runs);
 `--models` picks designs (the source always comes first: the rope-scaling rows and the KV-cache ratio need it).
+
+What it writes follows the output-folder rule (benchmarks/owned_outputs.py): --output_dir is a folder of the
+benchmark's own runs (a folder holding anything else, such as a user's train_lm.py run or lm-eval scores, is refused);
+--results is replaced only by a report of the same setup (another setup's report goes beside it, as
+long_context-<setup digest>.json; a file that is not this benchmark's report is refused); and the tables are
+rewritten only from the committed report, benchmarks/results/long_context.json.
 """
 
 from __future__ import annotations
@@ -54,19 +60,38 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import time
+from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
 
 from harness import cache_state_bytes, write_between_markers  # noqa: E402
-from uptraining import ROOT, lm_eval, recovery, relative, run  # noqa: E402
+from owned_outputs import (  # noqa: E402
+    OutputFolder,
+    Refused,
+    as_recorded,
+    command_writes,
+    exit_on_refusal,
+    json_kind,
+    legacy_records_layout,
+    publishes_tables,
+    read_report,
+    report_target,
+    reusable,
+    write_report,
+)
+from uptraining import RECOVERY_METRICS, ROOT, lm_eval, recovery, relative, run  # noqa: E402
 
 from attnzoo.evaluation.passkey import FILLERS  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+#: the committed report: the only one the tables of README.md and docs/long_context.md are rendered from
+COMMITTED_RESULTS = RESULTS / "long_context.json"
+#: how the benchmark names itself in its folder's record, its reports ("benchmark") and its messages
+SCRIPT, BENCHMARK = "benchmarks/long_context", "long_context"
+LABEL = "benchmarks/long_context.py"
 #: the files that show the table (between the markers)
 TABLE_FILES = (ROOT / "README.md", ROOT / "docs" / "long_context.md")
 TABLE_START, TABLE_END = "<!-- long_context table: start -->", "<!-- long_context table: end -->"
@@ -187,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lm_eval_limit", type=int, default=200, help="documents per local lm-eval task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", type=Path, default=Path("runs/long_context"))
-    p.add_argument("--results", type=Path, default=RESULTS / "long_context.json")
+    p.add_argument("--results", type=Path, default=COMMITTED_RESULTS,
+                   help="the report (replaced only by one of the same setup: another setup's goes beside it)")
     p.add_argument("--retrain", action="store_true", help="redo runs and evaluations that already finished")
     p.add_argument("--readme_only", action="store_true",
                    help="only recompute the summary, the plot and the tables of README.md and docs/long_context.md "
@@ -199,20 +225,20 @@ def check_arguments(args) -> None:
     for name in ("steps", "finetune_steps", "batch", "block_size", "train_stride", "hidden", "layers", "heads",
                  "passkey_trials", "heldout_sequences", "lm_eval_limit"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
+            raise Refused(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if not 0.0 < args.passkey_fraction < 1.0:
-        raise ValueError(f"--passkey_fraction={args.passkey_fraction} is invalid: set a fraction in (0, 1).")
+        raise Refused(f"--passkey_fraction={args.passkey_fraction} is invalid: set a fraction in (0, 1).")
     if any(n < 1 for n in args.scan_lengths):
-        raise ValueError(f"--scan_lengths={args.scan_lengths}: lengths in tokens, each positive.")
+        raise Refused(f"--scan_lengths={args.scan_lengths}: lengths in tokens, each positive.")
     if any(m < 1 for m in args.length_multiples) or 1 not in args.length_multiples:
-        raise ValueError(f"--length_multiples={args.length_multiples}: positive multiples, 1 among them.")
+        raise Refused(f"--length_multiples={args.length_multiples}: positive multiples, 1 among them.")
 
 
 # -- training ---------------------------------------------------------------------------------------------------
-def train_design(name: str, args, log: list[str]) -> dict:
+def train_design(name: str, args, runs: OutputFolder, log: list[str]) -> dict:
     """Train one design (or read its finished run) -> the run's record."""
     family, settings, weight = DESIGNS[name]
-    folder = args.output_dir / name
+    folder = runs.path(name)  # refuses a folder the benchmark did not make
     model = [f"hidden_size={args.hidden}", f"num_hidden_layers={args.layers}", f"num_attention_heads={args.heads}",
              f"intermediate_size={4 * args.hidden}", "position_embedding_type=rotary", "hidden_dropout_prob=0.0",
              "attention_probs_dropout_prob=0.0", *COMMON[family], *settings]
@@ -221,32 +247,15 @@ def train_design(name: str, args, log: list[str]) -> dict:
                "--num_warmup_steps", max(1, args.steps // 20), "--eval_steps", max(1, args.steps // 4),
                "--logging_steps", 50, "--sample_tokens", 0, "--report_to", "jsonl", "--seed", args.seed,
                "--output_dir", folder]
-    # A finished run is reused only if it ran this exact command (other settings retrain it, in its own folder). The
-    # benchmark's own records live beside the run folders: train_lm.py refuses to replace a folder holding files
-    # it did not write.
-    recorded = records(args.output_dir, name, "command")
+    # A finished run is reused only if it ran this exact command (other settings retrain it, in its own folder); an
+    # interrupted one of the same command resumes (owned_outputs.OutputFolder.start_or_resume)
     wanted = [str(c) for c in command]
-    done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
-            and json.loads(recorded.read_text()) == wanted)
+    done = runs.finished(name, wanted, args.retrain)
     if not done:
-        command += start_or_resume(name, folder, wanted, args)
+        command += runs.start_or_resume(name, wanted, args.retrain)
     run(command, log, execute=not done)
-    recorded.write_text(json.dumps(wanted))
+    runs.write_record(name, "command", wanted)
     return run_record(folder, family, settings, weight, args)
-
-
-def start_or_resume(name: str, folder: Path, wanted: list, args) -> list[str]:
-    """The arguments that go on from an interrupted run of this same command, or start over.
-
-    A run stopped by SIGTERM or Ctrl-C saves its state (train_lm.py), so a benchmark stopped mid-run loses none of
-    it: the run resumes from its newest checkpoint if the same command started it (the record of each started
-    command is kept beside the finished ones); any other run in the folder is replaced."""
-    started = records(args.output_dir, name, "started")
-    same = started.is_file() and json.loads(started.read_text()) == wanted
-    started.write_text(json.dumps(wanted))
-    if same and not args.retrain and any((folder / "checkpoints").glob("step_*")):
-        return ["--resume_from_checkpoint", "latest"]
-    return ["--overwrite_output_dir"] if folder.exists() else []
 
 
 def data_arguments(args, weight: float | None) -> list:
@@ -267,11 +276,12 @@ def run_record(folder: Path, family: str, settings: list[str], weight: float | N
             "eval_bits_per_dim_at_L": results["eval_bits_per_dim"], "train_loss_by_step": loss_curve(folder)}
 
 
-def train_converted(name: str, args, log: list[str]) -> dict:
+def train_converted(name: str, args, runs: OutputFolder, log: list[str]) -> dict:
     """Convert the trained source to a design and fine-tune it (or read the finished run) -> the run's record."""
     start_from, design = CONVERSIONS[name]
     family, settings, weight = DESIGNS[design]
-    start, folder = args.output_dir / "converted" / name, args.output_dir / name
+    start_name = f"converted/{name}"
+    start, folder = runs.path(start_name), runs.path(name)
     convert = ["-m", "attnzoo.convert.attention", args.output_dir / start_from, start, "--family", family,
                "--model", *COMMON[family], *settings]
     command = ["scripts/train_lm.py", "--model_name_or_path", start, *data_arguments(args, weight),
@@ -279,20 +289,18 @@ def train_converted(name: str, args, log: list[str]) -> dict:
                "--num_warmup_steps", max(1, args.finetune_steps // 20),
                "--eval_steps", max(1, args.finetune_steps // 2), "--logging_steps", 50, "--sample_tokens", 0,
                "--report_to", "jsonl", "--seed", args.seed, "--output_dir", folder]
-    recorded = records(args.output_dir, name, "command")
     # the trained model's own run is part of what a converted model is made of: retraining it redoes the conversion
-    wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(args.output_dir / start_from)]
-    done = (not args.retrain and (folder / "all_results.json").is_file() and recorded.is_file()
-            and json.loads(recorded.read_text()) == wanted)
+    wanted = [*[str(c) for c in convert], *[str(c) for c in command], _run_stamp(runs, start_from)]
+    done = runs.finished(name, wanted, args.retrain)
     resume = False
     if not done:
-        command += start_or_resume(name, folder, wanted, args)
+        command += runs.start_or_resume(name, wanted, args.retrain)
         resume = "--resume_from_checkpoint" in command and start.is_dir()
-        if start.exists() and not resume:  # an earlier conversion (of another source or settings): the benchmark's own
-            shutil.rmtree(start)
+        if not resume:  # an earlier conversion (of another source or settings): the benchmark's own, by its record
+            runs.clear(start_name)
     run(convert, log, execute=not (done or resume))
     run(command, log, execute=not done)
-    recorded.write_text(json.dumps(wanted))
+    runs.write_record(name, "command", wanted)
     return {**run_record(folder, family, settings, weight, args), "converted_from": start_from}
 
 
@@ -310,19 +318,21 @@ def design_of(name: str) -> str:
     return name
 
 
-def save_variant(name: str, args, log: list[str]) -> dict:
+def save_variant(name: str, args, runs: OutputFolder, log: list[str]) -> dict:
     """A trained model with the variant's inference settings, saved as a model of its own (or read) -> its record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     trained, rule = INFERENCE_VARIANTS[name]
-    settings, source, folder = rule(args), args.output_dir / trained, args.output_dir / name
-    recorded = records(args.output_dir, name, "command")
-    wanted = {"from": _run_stamp(source), "settings": settings}
-    if args.retrain or not recorded.is_file() or json.loads(recorded.read_text()) != wanted:
-        shutil.rmtree(folder, ignore_errors=True)  # the benchmark's own folder, made from `trained`
-        AutoModelForCausalLM.from_pretrained(source, **settings).save_pretrained(folder)
+    settings, source, folder = rule(args), args.output_dir / trained, runs.path(name)
+    wanted = {"from": _run_stamp(runs, trained), "settings": settings}
+    saved = runs.read_record(name, "command") == as_recorded(wanted) and (folder / "config.json").is_file()
+    if args.retrain or not saved:
+        runs.clear(name)  # the benchmark's earlier save, by its record
+        model = AutoModelForCausalLM.from_pretrained(source, **settings)
+        model.save_pretrained(folder)
         AutoTokenizer.from_pretrained(source).save_pretrained(folder)
-        recorded.write_text(json.dumps(wanted))
+        runs.saved(name, relative(source), inference_settings=settings)
+        runs.write_record(name, "command", wanted)
     log.append(f"AutoModelForCausalLM.from_pretrained({relative(source)!r}, **{settings}).save_pretrained("
                f"{relative(folder)!r})")
     return {"folder": relative(folder), "variant_of": trained, "inference_settings": settings}
@@ -406,15 +416,14 @@ def state_bytes(model, lengths: list[int], seed: int) -> dict:
     return sizes
 
 
-def evaluate_design(name: str, folder: Path, args, log: list[str], rope_scaling=None) -> dict:
-    """Every figure of one model (cached in output_dir/records as NAME_evaluation.json)."""
-    cache = records(folder.parent, name, "evaluation")
+def evaluate_design(name: str, folder: Path, args, runs: OutputFolder, log: list[str], rope_scaling=None) -> dict:
+    """Every figure of one model (cached in the benchmark's records as NAME_evaluation.json)."""
     settings = {name: getattr(args, name) for name in EVALUATION_SETTINGS}
-    if cache.is_file() and not args.retrain:
-        cached = json.loads(cache.read_text())
-        if cached.get("settings") == settings and cached.get("trained") == _run_stamp(folder):
-            log.extend(cached.get("commands", []))  # the report lists every command, reused or run
-            return cached
+    stamp = _run_stamp(runs, folder.name)
+    cached = None if args.retrain else runs.read_record(name, "evaluation")
+    if isinstance(cached, dict) and cached.get("settings") == as_recorded(settings) and cached.get("trained") == stamp:
+        log.extend(cached.get("commands", []))  # the report lists every command, reused or run
+        return cached
     started, first_command = time.time(), len(log)
     lengths = [args.block_size * m for m in sorted(args.length_multiples)]
     if rope_scaling is None:
@@ -422,10 +431,10 @@ def evaluate_design(name: str, folder: Path, args, log: list[str], rope_scaling=
         passkey = passkey_by_length(model, tokenizer, args, lengths)
         heldout = heldout_by_position(model, args, lengths[-1])
         states = state_bytes(model, lengths, args.seed)
-        # lm-eval at the training length: attnzoo's local tasks (the ones conversion_recovery.py reports)
-        scores_folder = args.output_dir / "lm_eval" / name
-        shutil.rmtree(scores_folder, ignore_errors=True)  # the benchmark's own figures of an earlier model
-        scores = lm_eval(folder, scores_folder, args, log)
+        # lm-eval at the training length: attnzoo's local tasks (the ones conversion_recovery.py reports), into a
+        # folder of the benchmark's own; scripts/evaluate.py replaces its own earlier scores there
+        scores = lm_eval(folder, runs.path(f"lm_eval/{name}"), args, log, redo=True)
+        runs.wrote(name, ["README.md"])  # the model card evaluate.py wrote the scores into (a redo deletes it)
     else:  # each length with the scaling its own length calls for
         passkey = {"accuracy": {}, "cells": [], "samples": []}
         heldout, states, scores = {}, None, None  # lm-eval at 1x: the source's own (a factor-1 scaling)
@@ -439,40 +448,36 @@ def evaluate_design(name: str, folder: Path, args, log: list[str], rope_scaling=
               "passkey_by_distance": distance_buckets(passkey["cells"], args.block_size, args.length_multiples),
               "bits_per_dim_by_position": heldout, "state_bytes": states, "lm_eval": scores,
               "eval_seconds": round(time.time() - started, 1), "settings": settings,
-              "trained": _run_stamp(folder), "commands": log[first_command:]}
-    cache.write_text(json.dumps(result, indent=1))
+              "trained": stamp, "commands": log[first_command:]}
+    runs.write_record(name, "evaluation", result, indent=1)
     return result
 
 
-def scan_lengths(name: str, folder: Path, args) -> dict:
+def scan_lengths(name: str, folder: Path, args, runs: OutputFolder) -> dict:
     """Passkey accuracy at each of --scan_lengths, with the benchmark's prompts (cached as NAME_scan.json)."""
-    cache = records(folder.parent, name, "scan")
     settings = {"lengths": args.scan_lengths, **{k: getattr(args, k) for k in
                                                  ("passkey_depths", "passkey_trials", "passkey_filler", "seed")}}
-    if cache.is_file() and not args.retrain:
-        cached = json.loads(cache.read_text())
-        if cached.get("settings") == settings and cached.get("trained") == _run_stamp(folder):
-            return cached["accuracy"]
+    stamp = _run_stamp(runs, folder.name)
+    cached = None if args.retrain else runs.read_record(name, "scan")
+    if isinstance(cached, dict) and cached.get("settings") == as_recorded(settings) and cached.get("trained") == stamp:
+        return cached["accuracy"]
     model, tokenizer = load(folder)
     accuracy = passkey_by_length(model, tokenizer, args, args.scan_lengths)["accuracy"]
-    cache.write_text(json.dumps({"accuracy": accuracy, "settings": settings, "trained": _run_stamp(folder)}))
+    runs.write_record(name, "scan", {"accuracy": accuracy, "settings": settings, "trained": stamp})
     return accuracy
 
 
-def reusable_records(args, setup: dict, names: list[str]) -> tuple[dict, list[str]]:
-    """The figures --results already holds for models whose runs are not in --output_dir, and its commands.
+def reusable_records(args, names: list[str], previous: dict | None, runs: OutputFolder) -> tuple[dict, list[str]]:
+    """The figures of `previous` (this setup's earlier report, or None) for models whose runs are not in
+    --output_dir, and its commands.
 
     A fresh checkout has the committed results but none of the runs, and retraining every model (up to an hour each
-    on 2 CPU cores) to add one row is what the cache exists to avoid. A model's record is reused only if the results
-    were made with this same setup, the record is of the same design (a variant: the same inference settings; a
-    conversion: from the same trained model), and its run is not in --output_dir (a run there is read, or resumed,
-    as before). A model that must be computed needs its trained model's weights: that one is computed too (trained
-    again with the same command, which makes it the same run by the benchmark's stamps). --retrain reuses nothing."""
-    if args.retrain or not args.results.is_file():
-        return {}, []
-    previous = json.loads(args.results.read_text())
-    as_recorded = lambda value: json.loads(json.dumps(value))  # noqa: E731  (tuples as lists, as the file holds them)
-    if previous.get("setup") != as_recorded(setup):
+    on 2 CPU cores) to add one row is what the reuse exists to avoid. A model's record is reused only if the report
+    is of this same setup, the record is of the same design (a variant: the same inference settings; a conversion:
+    from the same trained model), and its run is not in --output_dir (a run there is read, or resumed, as before).
+    A model that must be computed needs its trained model's weights: that one is computed too (trained again with
+    the same command, which makes it the same run by the benchmark's stamps). --retrain reuses nothing."""
+    if args.retrain or previous is None:
         return {}, []
     models, designs = previous.get("models", {}), previous.get("designs", {})
 
@@ -491,47 +496,20 @@ def reusable_records(args, setup: dict, names: list[str]) -> tuple[dict, list[st
         return model.get("converted_from") == (CONVERSIONS[name][0] if name in CONVERSIONS else None)
 
     def here(name: str) -> bool:  # a finished or started run of the benchmark's in --output_dir
-        return any(records(args.output_dir, name, kind, make=False).is_file() for kind in ("command", "started"))
+        return any(runs.record_text(name, kind) for kind in ("command", "started"))
 
-    computed = [name for name in names if here(name) or not same(name)]
-    for name in computed:  # the trained models their weights come from (appended: walked in turn)
-        start = (CONVERSIONS.get(name) or INFERENCE_VARIANTS.get(name) or (None,))[0]
-        if start is not None and start not in computed:
-            computed.append(start)
-    reused = {name: models[name] for name in names if name not in computed}
+    def needs(name: str) -> str | None:  # the trained model a conversion's or a variant's weights come from
+        return (CONVERSIONS.get(name) or INFERENCE_VARIANTS.get(name) or (None,))[0]
+
+    reused = {name: models[name] for name in reusable(names, same, here, needs)}
     if "source" in reused:  # the source's rope-scaling rows come with it
         reused.update({scaled: models[scaled] for scaled in ROPE_SCALING})
     return reused, previous.get("commands", [])
 
 
-def command_writes(command: str) -> str | None:
-    """The model whose folder a logged command writes (its run, its conversion, its lm-eval scores or its saved
-    variant), so that a reused model brings its own commands into the report."""
-    words = command.split()
-    for flag in ("--output_dir", "--output_file"):
-        if flag in words[:-1]:
-            path = Path(words[words.index(flag) + 1])
-            return path.parent.name if flag == "--output_file" else path.name
-    if words[:2] == ["-m", "attnzoo.convert.attention"] and len(words) > 3:
-        return Path(words[3]).name
-    if ".save_pretrained('" in command:
-        return Path(command.rsplit(".save_pretrained('", 1)[1].split("'", 1)[0]).name
-    return None
-
-
-def _run_stamp(folder: Path) -> str:
+def _run_stamp(runs: OutputFolder, name: str) -> str:
     """What an evaluation was made of: the trained run's command (a retrained model is evaluated again)."""
-    recorded = records(folder.parent, folder.name, "command")
-    return recorded.read_text() if recorded.is_file() else ""
-
-
-def records(output_dir: Path, name: str, kind: str, make: bool = True) -> Path:
-    """The benchmark's record of one model (its training command, or its evaluation), in output_dir/records (made
-    unless `make` is False: looking for a record creates nothing)."""
-    folder = output_dir / "records"
-    if make:
-        folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{name}_{kind}.json"
+    return runs.record_text(name, "command")
 
 
 # -- report -----------------------------------------------------------------------------------------------------
@@ -702,15 +680,114 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# -- what a report must be ------------------------------------------------------------------------------------
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _figures(value, allow_none: bool = True) -> bool:
+    """A JSON object of numbers (None where a figure was not measured)."""
+    return isinstance(value, dict) and all(_number(v) or (allow_none and v is None) for v in value.values())
+
+
+def check_report(report: dict) -> None:
+    """That `report` is this benchmark's (ValueError saying what is not): the keys and types the summary, the table
+    and the plot read, the models and designs it defines, and design entries that agree with DESIGNS (a hand-edited
+    design is not published under the benchmark's name)."""
+    if report.get("benchmark", BENCHMARK) != BENCHMARK:
+        raise ValueError(f"it is marked as a report of {report['benchmark']!r}")
+    for key, kind in (("setup", dict), ("designs", dict), ("models", dict), ("commands", list)):
+        if key not in report:
+            raise ValueError(f"it has no {key!r} (a report has 'setup', 'designs', 'models' and 'commands')")
+        if not isinstance(report[key], kind):
+            raise ValueError(f"its {key!r} is a JSON {json_kind(report[key])}, not a JSON "
+                             f"{'object' if kind is dict else 'list'}")
+    setup = report["setup"]
+    kinds = {"block_size": ("a positive integer", _positive_int), "steps": ("a positive integer", _positive_int),
+             "length_multiples": ("a list of positive integers",
+                                  lambda v: isinstance(v, list) and v and all(_positive_int(m) for m in v))}
+    for key, (kind, good) in kinds.items():
+        if key not in setup:
+            raise ValueError(f"'setup' has no {key!r} ({kind})")
+        if not good(setup[key]):
+            raise ValueError(f"'setup' gives {key!r} as {setup[key]!r}, not {kind}")
+    multiples = setup["length_multiples"]
+    if not all(isinstance(c, str) for c in report["commands"]):
+        raise ValueError("'commands' holds entries that are not strings")
+    designs, models = report["designs"], report["models"]
+    trained = {*DESIGNS, *CONVERSIONS, *INFERENCE_VARIANTS}
+    for name, design in designs.items():
+        if name not in trained:
+            raise ValueError(f"'designs' names {name!r}, not a model of the benchmark")
+        expected = as_recorded(DESIGNS[design_of(name)][:2])
+        if design != expected:
+            raise ValueError(f"'designs' gives {name!r} as {design!r}, but the benchmark's {name} is {expected!r}; "
+                             "figures of another design are not published under its name")
+    edges = [0, *sorted(multiples)]
+    buckets = [f"{low}-{high}x" for low, high in zip(edges, edges[1:], strict=False)]
+    for name, model in models.items():
+        where = f"'models' entry {name!r}"
+        if name not in trained and name not in ROPE_SCALING:
+            raise ValueError(f"'models' names {name!r}, not a model of the benchmark")
+        if not isinstance(model, dict):
+            raise ValueError(f"{where} is a JSON {json_kind(model)}, not a JSON object")
+        if name not in ROPE_SCALING and name not in designs:
+            raise ValueError(f"{where} has no design in 'designs'")
+        provenance = {"family": DESIGNS[design_of(name)][0] if name not in ROPE_SCALING else None,
+                      "converted_from": CONVERSIONS.get(name, (None,))[0],
+                      "variant_of": INFERENCE_VARIANTS.get(name, (None,))[0]}
+        if name in INFERENCE_VARIANTS:  # the settings the benchmark's variant is saved with, for this setup
+            provenance["inference_settings"] = as_recorded(INFERENCE_VARIANTS[name][1](Namespace(**setup)))
+        for key, value in provenance.items():
+            if key in model and model[key] != value:
+                raise ValueError(f"{where} gives {key} {model[key]!r}, but the benchmark's {name} has {value!r}")
+        if not _figures(model.get("passkey")):
+            raise ValueError(f"{where} has no 'passkey' figures (an object of accuracies by length)")
+        positions = model.get("bits_per_dim_by_position")
+        if name in ROPE_SCALING:  # one evaluation per length: {"1x": {bucket: bits/dim}, ...}
+            good = isinstance(positions, dict) and all(_figures(v) for v in positions.values())
+        else:
+            good = _figures(positions) and list(positions) == buckets
+        if not good:
+            raise ValueError(f"{where} has no 'bits_per_dim_by_position' figures for the setup's length multiples "
+                             f"({buckets})")
+        states = model.get("state_bytes")
+        if states is not None and not (isinstance(states, dict) and all(_number(v) and v > 0
+                                                                         for v in states.values())):
+            raise ValueError(f"{where} has 'state_bytes' that are not positive numbers")
+        scores = model.get("lm_eval")
+        if scores is not None and not (_figures(scores, allow_none=False)
+                                       and all(key in scores for key, _ in RECOVERY_METRICS)):
+            raise ValueError(f"{where} has 'lm_eval' scores without the figures {[k for k, _ in RECOVERY_METRICS]}")
+        curve = model.get("train_loss_by_step")
+        if curve is not None and not (isinstance(curve, list) and all(
+                isinstance(p, list) and len(p) == 2 and all(_number(v) for v in p) for p in curve)):
+            raise ValueError(f"{where} has a 'train_loss_by_step' that is not a list of [step, loss] pairs")
+        if model.get("answer_weight") is not None and not _number(model["answer_weight"]):
+            raise ValueError(f"{where} has an 'answer_weight' that is not a number")
+
+
+def readme_only(path: Path) -> dict:
+    """The summary, the plot and (for the committed report) the tables, recomputed from the figures in `path`,
+    which must be this benchmark's report: anything else is refused, naming the file, before anything is written."""
+    report = read_report(path, check_report, LABEL)
+    save_report(report, path)
+    if publishes_tables(path, COMMITTED_RESULTS):
+        write_tables(report)
+    else:
+        print(f"{path} is not the committed report: the tables of README.md and docs/long_context.md show "
+              f"{relative(COMMITTED_RESULTS)} and are left as they are.")
+    return report
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.readme_only:  # the summary is a function of the figures: recomputed, with the plot and the tables
-        report = json.loads(args.results.read_text())
-        report["summary"] = summarise(report)
-        args.results.write_text(json.dumps(report, indent=1))
-        plot(report, args.results.with_suffix(".png"))
-        write_tables(report)
-        return report
+        return readme_only(args.results)
     check_arguments(args)
     names = ["source"]
     for name in args.models:  # a conversion's or variant's trained model comes before it (and its own before it)
@@ -718,53 +795,66 @@ def main(argv=None) -> dict:
         while chain[0] in CONVERSIONS or chain[0] in INFERENCE_VARIANTS:
             chain.insert(0, (CONVERSIONS.get(chain[0]) or INFERENCE_VARIANTS[chain[0]])[0])
         names += [n for n in chain if n not in names]
-    log: list[str] = []
     setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
              if k not in ("retrain", "readme_only", "results", "models")}
-    report = {"setup": setup, "designs": {n: DESIGNS[design_of(n)][:2] for n in names}, "models": {},
-              "commands": log}
-    recorded, recorded_commands = reusable_records(args, setup, names)
+    # before anything is computed: the folder of runs and the report file are the benchmark's own (or new)
+    runs = OutputFolder(args.output_dir, SCRIPT, legacy=legacy_records_layout)
+    target = report_target(args.results, setup, check_report, LABEL)
+    if target != args.results:
+        print(f"{args.results} holds this benchmark's report of another setup, left as it is: this setup's report "
+              f"goes to {target}", flush=True)
+    previous = read_report(target, check_report, LABEL) if target.is_file() and not args.retrain else None
+    log: list[str] = []
+    report = {"benchmark": BENCHMARK, "setup": setup, "designs": {n: DESIGNS[design_of(n)][:2] for n in names},
+              "models": {}, "commands": log}
+    recorded, recorded_commands = reusable_records(args, names, previous, runs)
     # the figures --results holds for models whose runs are not here go in first, so that every write of the results
     # keeps them (a run stopped midway loses none of them)
     report["models"].update(recorded)
     log.extend(c for c in recorded_commands if command_writes(c) in recorded)
     for name in recorded:
-        print(f"{name}: reused from {relative(args.results)}", flush=True)
+        print(f"{name}: reused from {relative(target)}", flush=True)
     for name in names:
         if name in recorded:
             continue
         if name in INFERENCE_VARIANTS:
-            trained = save_variant(name, args, log)
+            trained = save_variant(name, args, runs, log)
+        elif name in CONVERSIONS:
+            trained = train_converted(name, args, runs, log)
         else:
-            trained = train_converted(name, args, log) if name in CONVERSIONS else train_design(name, args, log)
-        report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args, log)}
+            trained = train_design(name, args, runs, log)
+        report["models"][name] = {**trained, **evaluate_design(name, args.output_dir / name, args, runs, log)}
         if name in LENGTH_SCAN and args.scan_lengths:
-            report["models"][name]["passkey_scan"] = scan_lengths(name, args.output_dir / name, args)
+            report["models"][name]["passkey_scan"] = scan_lengths(name, args.output_dir / name, args, runs)
         if name == "source":
             for scaled, rule in ROPE_SCALING.items():
                 report["models"][scaled] = {"folder": report["models"]["source"]["folder"],
                                             "rope_scaling": rule(4),
-                                            **evaluate_design(scaled, args.output_dir / "source", args, log, rule)}
-        save_report(report, args)  # after every model: a stopped run keeps the rest
+                                            **evaluate_design(scaled, args.output_dir / "source", args, runs, log,
+                                                              rule)}
+        save_report(report, target)  # after every model: a stopped run keeps the rest
         print(json.dumps({name: report["summary"]["rows"][name]}), flush=True)
     # the models, and their commands, in the order of --models (reused and computed ones alike)
     order = [n for name in names for n in (name, *(ROPE_SCALING if name == "source" else ()))]
     report["models"] = {name: report["models"][name] for name in order}
     position = {name: i for i, name in enumerate(order)}
     log.sort(key=lambda command: position.get(command_writes(command), len(order)))  # stable: each model's in turn
-    save_report(report, args)
-    write_tables(report)
+    save_report(report, target)
+    if publishes_tables(target, COMMITTED_RESULTS):
+        write_tables(report)
+    else:
+        print(f"wrote {target}; the tables of README.md and docs/long_context.md show {relative(COMMITTED_RESULTS)} "
+              "and are left as they are.")
     print(table(report))
     return report
 
 
-def save_report(report: dict, args) -> None:
-    """The summary, the results file and the plot, from the figures so far."""
+def save_report(report: dict, path: Path) -> None:
+    """The summary, the results file and the plot, from the figures so far (`path`: where report_target put it)."""
     report["summary"] = summarise(report)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=1))
-    plot(report, args.results.with_suffix(".png"))
+    write_report(path, report)
+    plot(report, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, LABEL)

@@ -18,7 +18,9 @@ Each variant runs as its own train_lm.py process with one thread (`--jobs` at on
 OUTPUT_DIR/<variant>; the results JSON keeps each variant's held-out bits/dim curve, final figure, parameter count and
 training time. Variants whose folder already holds all_results.json are read, not retrained (`--retrain` to redo);
 `--partial` trains nothing and reports the finished variants, plus the held-out curve logged so far by unfinished
-ones (listed under "missing", dashed in the plot).
+ones (listed under "missing", dashed in the plot). OUTPUT_DIR is a folder of this benchmark's own runs (a folder
+holding anything else is refused; a variant retrained is cleared by its run's record), and `output` is replaced only
+when it holds this benchmark's report (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
+
+from owned_outputs import OutputFolder, exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "benchmarks/train_lm_variants"
 
 
 def command_line(shared: dict, variant: dict, output_dir: Path) -> list[str]:
@@ -64,15 +71,15 @@ def read_curves(output_dir: Path) -> tuple[list[dict], list[dict]]:
     return curve("eval_bits_per_dim"), curve("train_bits_per_dim")
 
 
-def run_variant(name: str, argv: list[str], output_dir: Path, retrain: bool) -> dict:
+def run_variant(name: str, argv: list[str], runs: OutputFolder, retrain: bool) -> dict:
+    output_dir = runs.root / name
     results_file = output_dir / "all_results.json"
     if retrain or not results_file.is_file():
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        runs.clear(name)  # the benchmark's own earlier run of the variant, by its record: a retrain starts over
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        log_file = output_dir.with_name(output_dir.name + ".train.log")  # beside the run: the run owns its folder
-        with open(log_file, "w") as log:  # the benchmark owns its runs, so a retrain starts each one over
-            done = subprocess.run([*argv, "--overwrite_output_dir"], cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        log_file = runs.root / f"{name}.train.log"  # beside the run: the run owns its folder
+        with open(log_file, "w") as log:
+            done = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             raise SystemExit(f"variant {name} failed (exit {done.returncode}); see {log_file}")
     final = json.loads(results_file.read_text())
@@ -148,15 +155,24 @@ def main(argv: list[str] | None = None):
         raise ValueError(f"panels name variants {unknown} that {args.experiment} does not define")
     if spec.get("prepare") and not (ROOT / spec["prepare_creates"]).exists():
         subprocess.run([sys.executable, *spec["prepare"]], cwd=ROOT, check=True)
-    runs = args.output_dir or ROOT / "runs" / args.experiment.stem
     chosen = [n for n in names if args.only is None or n in args.only]
+    output = ROOT / spec["output"]
+    check_report = require_keys("experiment", "train_lm", "variants", benchmark="train_lm_variants")
+    # before anything is trained: the runs folder is the benchmark's own (or new), and so is the report it replaces
+    runs = OutputFolder(args.output_dir or ROOT / "runs" / args.experiment.stem, SCRIPT)
+    if args.only is None:
+        report_target(output, None, check_report, f"{SCRIPT}.py", flag=f"{args.experiment}'s output:")
+    if not args.partial:  # claimed here, before the variants run in threads (one writer of the folder's record)
+        for name in chosen:
+            runs.path(name)
+            runs.path(f"{name}.train.log")
 
     def one(name):
-        if args.partial and not (runs / name / "all_results.json").is_file():
-            return name, unfinished_variant(runs / name)
+        if args.partial and not (runs.root / name / "all_results.json").is_file():
+            return name, unfinished_variant(runs.root / name) if runs.owns(name) else None
         variant = spec["variants"][name] or {}
-        return name, run_variant(name, command_line(spec["train_lm"], variant, runs / name), runs / name,
-                                 args.retrain)
+        return name, run_variant(name, command_line(spec["train_lm"], variant, runs.root / name), runs,
+                                 args.retrain and not args.partial)
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         variants = dict(pool.map(one, chosen))
@@ -171,12 +187,11 @@ def main(argv: list[str] | None = None):
               "train_lm": spec["train_lm"], "panels": panels,
               "variants": {n: {"settings": spec["variants"][n], **variants[n]} for n in names},
               "missing": missing}
-    output = ROOT / spec["output"]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=1))
+    report = {"benchmark": "train_lm_variants", **report}
+    write_report(output, report)
     plot(report, output.with_suffix(".png"))
     print(f"wrote {output} and {output.with_suffix('.png')}" + (f"; not finished: {missing}" if missing else ""))
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

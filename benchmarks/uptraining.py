@@ -15,7 +15,8 @@ One command does all of it, on the English text CPython ships (byte-level, held-
    with the source's training settings.
 Writes benchmarks/results/uptraining.json (held-out bits/dim of every run, curves, setup, the commands) and
 uptraining.png (held-out bits/dim against the total number of training steps). Runs whose folder already holds
-all_results.json are read instead of retrained (`--retrain` redoes them).
+all_results.json are read instead of retrained (`--retrain` redoes them). --output_dir is a folder of this benchmark's
+own runs, and --results is replaced only by a report of the same setup (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # the shared benchmark helpers
+
+from owned_outputs import OutputFolder, exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
+
+from attnzoo.training.run_dir import record_outputs  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "benchmarks/uptraining"
+#: what makes a results file this benchmark's report (with the same setup, it is replaced)
+REPORT_KEYS = ("setup", "summary", "source_runs", "families", "commands")
 RESULTS = Path(__file__).parent / "results"
 FINETUNE_RECIPE = ROOT / "recipes" / "uptrain_lm.yaml"
 #: attention settings of each converted family (`--model` of the converter); the from-scratch runs use the same
@@ -93,8 +103,9 @@ def save_scratch_init(converted: Path, folder: Path, seed: int) -> None:
 def train(init: Path, out: Path, steps: int, args, log: list[str], recipe: Path | None = None,
           learning_rate: float | None = None, execute: bool = True, extra: list | None = None) -> None:
     """scripts/train_lm.py from the checkpoint `init` for `steps` steps (the recipe's settings, or the source's),
-    with `extra` arguments last."""
-    command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out, "--overwrite_output_dir",
+    with `extra` arguments last. `out` is missing or empty: the caller cleared its own earlier run there
+    (OutputFolder.clear), so the run never replaces a folder the benchmark did not make."""
+    command = ["scripts/train_lm.py", "--model_name_or_path", init, "--output_dir", out,
                "--max_train_steps", steps,
                "--block_size", args.block_size, "--per_device_train_batch_size", args.batch,
                "--eval_steps", args.eval_every, "--seed", args.seed, "--sample_tokens", 0, "--report_to", "jsonl",
@@ -111,6 +122,7 @@ def evaluate(folder: Path, args, log: list[str], execute: bool = True) -> float:
     result_file = folder / "evaluation.json"
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--block_size", args.block_size,
          "--output_file", result_file], log, execute)
+    record_outputs(folder, [result_file.name])  # the model folder's record lists it: a redo deletes it with the rest
     return json.loads(result_file.read_text())["bits_per_dim"]
 
 
@@ -129,64 +141,79 @@ def relative(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
+def benchmark_setup(args, **derived) -> dict:
+    """The report's setup: every argument but --retrain (paths as written from the repository root), and `derived`."""
+    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
+    return {**setup, **derived}
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     out, log, reused, started = args.output_dir, [], [], time.time()
     source_init, source = out / "source_init", out / "source"
     total_steps = args.source_steps + args.finetune_steps
+    setup = benchmark_setup(args, total_steps=total_steps, finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
+                            source_model="transformers GPT2LMHeadModel", corpus="CPython pydoc topics, byte-level")
+    # before anything is trained: the folder of runs and the report file are the benchmark's own (or new)
+    runs = OutputFolder(out, SCRIPT)
+    target = report_target(args.results, setup, require_keys(*REPORT_KEYS, benchmark="uptraining"),
+                           f"{SCRIPT}.py")
 
     def fresh(folder: Path, marker: str = "all_results.json") -> bool:
-        """Whether `folder`'s run must be (re)done; a finished one is reused unless --retrain."""
+        """Whether `folder`'s run must be (re)done; a finished one is reused unless --retrain. A run to redo is
+        cleared by its own record first (a folder the benchmark did not make is refused)."""
+        runs.path(folder.name)
         if (folder / marker).is_file() and not args.retrain:
             reused.append(folder.name)
             return False
+        runs.clear(folder.name)
         return True
 
+    def save_init(folder: Path, save, *save_args) -> None:
+        """A fresh initialisation saved into the benchmark's own folder (its earlier one cleared by its record)."""
+        runs.clear(folder.name)
+        save(*save_args)
+        runs.saved(folder.name, None)
+
     if execute := fresh(source):
-        save_gpt2_source_init(source_init, args)
+        save_init(source_init, save_gpt2_source_init, source_init, args)
     train(source_init, source, args.source_steps, args, log, learning_rate=args.source_learning_rate,
           execute=execute)
-    runs = {"source": read_run(source)}
+    runs_read = {"source": read_run(source)}
     train(source, out / "softmax_continued", args.finetune_steps, args, log, recipe=FINETUNE_RECIPE,
           execute=fresh(out / "softmax_continued"))
-    runs["softmax_continued"] = read_run(out / "softmax_continued")
+    runs_read["softmax_continued"] = read_run(out / "softmax_continued")
     families = {}
     for family in args.families:
         converted, uptrained = out / f"{family}_converted", out / f"{family}_uptrained"
         scratch_init, scratch = out / f"{family}_scratch_init", out / f"{family}_scratch"
-        if (execute := fresh(converted, "evaluation.json")) and converted.exists():
-            import shutil
-
-            shutil.rmtree(converted)
+        execute = fresh(converted, "evaluation.json")
         run(["-m", "attnzoo.convert.gpt2", source, converted, "--family", family, "--seed", args.seed,
              "--model", *FAMILY_SETTINGS[family]], log, execute)
         zero_shot = evaluate(converted, args, log, execute)
         train(converted, uptrained, args.finetune_steps, args, log, recipe=FINETUNE_RECIPE,
               execute=fresh(uptrained))
         if execute := fresh(scratch):
-            save_scratch_init(converted, scratch_init, args.seed)
+            save_init(scratch_init, save_scratch_init, converted, scratch_init, args.seed)
         train(scratch_init, scratch, total_steps, args, log, learning_rate=args.source_learning_rate,
               execute=execute)
         families[family] = {"converted_before_finetuning": zero_shot, "uptrained": read_run(uptrained),
                             "scratch": read_run(scratch), "settings": FAMILY_SETTINGS[family]}
-    source_bpd = runs["source"]["eval_bits_per_dim"]
+    source_bpd = runs_read["source"]["eval_bits_per_dim"]
     summary = {"source_bits_per_dim": source_bpd,
-               "softmax_continued_bits_per_dim": runs["softmax_continued"]["eval_bits_per_dim"]}
+               "softmax_continued_bits_per_dim": runs_read["softmax_continued"]["eval_bits_per_dim"]}
     for family, r in families.items():
         up, scratch = r["uptrained"]["eval_bits_per_dim"], r["scratch"]["eval_bits_per_dim"]
         summary[family] = {"converted_before_finetuning": r["converted_before_finetuning"], "uptrained": up,
                            "scratch_same_total_steps": scratch, "uptrained_minus_source": up - source_bpd,
                            "uptrained_minus_scratch": up - scratch}
-    setup = {k: (relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "retrain"}
-    setup.update(total_steps=total_steps, finetune_recipe=str(FINETUNE_RECIPE.relative_to(ROOT)),
-                 source_model="transformers GPT2LMHeadModel", corpus="CPython pydoc topics, byte-level")
     # wall_seconds covers this invocation; runs listed in reused_runs were read from an earlier one (each run's
     # own train_seconds is kept with it)
-    report = {"setup": setup, "summary": summary, "source_runs": runs, "families": families, "commands": log,
-              "reused_runs": reused, "wall_seconds": round(time.time() - started, 1)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=2))
-    plot(report, args.results.with_suffix(".png"))
+    report = {"benchmark": "uptraining", "setup": setup, "summary": summary, "source_runs": runs_read,
+              "families": families, "commands": log, "reused_runs": reused,
+              "wall_seconds": round(time.time() - started, 1)}
+    write_report(target, report, indent=2)
+    plot(report, target.with_suffix(".png"))
     print(json.dumps(summary, indent=2))
     return report
 
@@ -257,19 +284,20 @@ def recovery(scores: dict[str, float], source: dict[str, float]) -> dict:
     return {**ratios, "average": sum(ratios.values()) / len(ratios) if ratios else None, "undefined": undefined}
 
 
-def lm_eval(folder: Path, out: Path, args, log: list[str]) -> dict[str, float]:
+def lm_eval(folder: Path, out: Path, args, log: list[str], redo: bool = False) -> dict[str, float]:
     """attnzoo's local lm-eval tasks through scripts/evaluate.py (the model card gets the figures): {task/metric:
-    value}."""
+    value}. Read from `out` when an earlier evaluation left its scores there, unless `redo` (evaluate.py then
+    replaces its own results file, and refuses any other)."""
     result_file = out / "lm_eval.json"
     # The byte-level models trained on raw bytes and never saw the tokenizer's special tokens, whose embeddings are
     # still their initial draws: rolling log-likelihoods start after a newline (the start of a paragraph), not
     # after lm-eval's default prefix, the BOS token. The same for every model, the source included.
     run(["scripts/evaluate.py", "--model_name_or_path", folder, "--lm_eval_tasks", "attnzoo_pydoc",
          "--lm_eval_limit", args.lm_eval_limit, "--lm_eval_model_args", f"prefix_token_id={NEWLINE}",
-         "--output_file", result_file], log, not result_file.is_file())
+         "--output_file", result_file], log, redo or not result_file.is_file())
     rows = json.loads(result_file.read_text())["lm_eval"]
     return {f"{r['task'].removeprefix('attnzoo_pydoc_')}/{r['metric']}": r["value"] for r in rows}
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

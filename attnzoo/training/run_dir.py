@@ -76,6 +76,8 @@ def describe_folder(folder: Path) -> str:
     """What a non-empty folder holds, in the words the refusals use."""
     contents = folder_contents(folder)
     record = read_run_record(folder)
+    if record is not None and record.get("holds") == "benchmark runs":  # a benchmark's folder of runs (benchmarks/)
+        return f"the runs of {script_label(record.get('script') or 'a benchmark')} ({_listed(contents)})"
     if record is not None:
         script = recorded_script(folder, record)
         origin = record.get("started_from") or record.get("model_name_or_path") or record.get("student")
@@ -285,6 +287,12 @@ def write_model_record(folder: str | Path, script: str, model_type: str, started
     folder = Path(folder)
     _write_record(folder, {"script": script, "model_type": model_type, "started_from": started_from, **settings,
                            "outputs": sorted({*folder_contents(folder), RUN_ARGS_FILE})})
+
+
+def write_record(folder: str | Path, record: dict) -> None:
+    """Write `record` as the folder's run record, as it is (for a folder that holds something other than one run:
+    a benchmark's folder of runs, whose record lists the runs it made)."""
+    _write_record(Path(folder), record)
 
 
 def _write_record(folder: Path, record: dict) -> None:

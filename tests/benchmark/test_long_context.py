@@ -4,6 +4,7 @@ tiny end-to-end run (slow) trains, evaluates and reuses its cached runs and, in 
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 from tests.scripts_helpers import ROOT, load_module
 
 bench = load_module(ROOT / "benchmarks", "long_context")
+owned = importlib.import_module("owned_outputs")  # the module long_context.py imported (benchmarks/ is on the path)
 
 
 def model_entry(passkey: list, bits: list, states: list | None):
@@ -107,9 +109,17 @@ def test_distance_buckets_group_cells_by_the_keys_distance():
     assert bench.distance_buckets(cells, 128, [1, 2, 4]) == {"0-1x": 1.0, "1-2x": 0.0, "2-4x": 0.5}
 
 
-def test_the_tables_are_written_from_the_results_file(tmp_path, monkeypatch):
+def valid_report():
+    """A report as the benchmark writes it (its own model names and designs), for the setup of fake_report."""
     report = fake_report()
-    report["summary"] = bench.summarise(report)
+    models = report["models"]
+    models["irope_softmax"], models["window"] = models.pop("good"), models.pop("big")
+    report["designs"] = {n: list(bench.DESIGNS[n][:2]) for n in ("source", "irope_softmax", "window")}
+    report["commands"] = []
+    return report
+
+
+def test_the_tables_are_written_from_the_results_file(tmp_path, monkeypatch):
     pages = []
     for name in ("README.md", "long_context.md"):
         page = tmp_path / name
@@ -117,11 +127,16 @@ def test_the_tables_are_written_from_the_results_file(tmp_path, monkeypatch):
         pages.append(page)
     monkeypatch.setattr(bench, "TABLE_FILES", tuple(pages))
     results = tmp_path / "long_context.json"
-    results.write_text(json.dumps(report))
+    results.write_text(json.dumps(valid_report()))
+    # a report that is not the committed one leaves the tables as they are ...
+    bench.main(["--readme_only", "--results", str(results)])
+    assert all("old" in page.read_text() for page in pages)
+    # ... the committed one rewrites them
+    monkeypatch.setattr(bench, "COMMITTED_RESULTS", results)
     bench.main(["--readme_only", "--results", str(results)])
     for page in pages:
         text = page.read_text()
-        assert "old" not in text and "| good | 100% | 95% | 92% | 1.600 | 1.620 | 0.75x | - | - |" in text
+        assert "old" not in text and "| irope_softmax | 100% | 95% | 92% | 1.600 | 1.620 | 0.75x | - | - |" in text
         assert text.startswith("before\n") and text.endswith("after\n")
     committed = ROOT / "benchmarks" / "results" / "long_context.json"
     if committed.is_file():  # the committed tables are the committed results, rendered
@@ -141,20 +156,22 @@ def test_bad_arguments_say_what_to_change(flag, value, message):
 
 
 def test_an_interrupted_run_of_the_same_command_resumes_and_any_other_starts_over(tmp_path):
-    args = bench.build_parser().parse_args(["--output_dir", str(tmp_path)])
-    folder, command = tmp_path / "window", ["scripts/train_lm.py", "--max_train_steps", "3000"]
-    assert bench.start_or_resume("window", folder, command, args) == []  # nothing there yet
+    runs = bench.OutputFolder(tmp_path / "runs", bench.SCRIPT)
+    folder, command = tmp_path / "runs" / "window", ["scripts/train_lm.py", "--max_train_steps", "3000"]
+    assert runs.start_or_resume("window", command) == []  # nothing there yet
     (folder / "checkpoints" / "step_408").mkdir(parents=True)  # stopped by SIGTERM: its state was saved
-    assert bench.start_or_resume("window", folder, command, args) == ["--resume_from_checkpoint", "latest"]
+    assert runs.start_or_resume("window", command) == ["--resume_from_checkpoint", "latest"]
     other = ["scripts/train_lm.py", "--max_train_steps", "4000"]
-    assert bench.start_or_resume("window", folder, other, args) == ["--overwrite_output_dir"]
+    assert runs.start_or_resume("window", other) == [] and not folder.exists()  # the benchmark's own run, cleared
+    (folder / "checkpoints" / "step_100").mkdir(parents=True)
     # the record now names the other command: the first one's checkpoint is not taken for it
-    assert bench.start_or_resume("window", folder, command, args) == ["--overwrite_output_dir"]
-    args.retrain = True
-    assert bench.start_or_resume("window", folder, command, args) == ["--overwrite_output_dir"]
-    empty = tmp_path / "source"
-    empty.mkdir()  # a folder whose run stopped before its first checkpoint
-    assert bench.start_or_resume("source", empty, command, args) == ["--overwrite_output_dir"]
+    assert runs.start_or_resume("window", command) == [] and not folder.exists()
+    (folder / "checkpoints" / "step_100").mkdir(parents=True)
+    assert runs.start_or_resume("window", command, retrain=True) == [] and not folder.exists()
+    (tmp_path / "runs" / "source").mkdir()  # a folder whose run stopped before its first checkpoint
+    assert runs.start_or_resume("source", command) == []
+    record = json.loads((tmp_path / "runs" / "run_args.json").read_text())
+    assert record["script"] == bench.SCRIPT and {"window", "source", "records"} <= set(record["outputs"])
 
 
 def recorded_results(tmp_path, args_list):
@@ -182,7 +199,12 @@ def test_figures_of_models_whose_runs_are_absent_are_reused_from_the_results(tmp
     flags = ["--output_dir", str(tmp_path / "runs"), "--results", str(tmp_path / "lc.json")]
     args, setup = recorded_results(tmp_path, flags)
     names = ["source", "window", "window_adjacent_sinks", "irope_softmax"]
-    reused, commands = bench.reusable_records(args, setup, names)
+    runs = bench.OutputFolder(args.output_dir, bench.SCRIPT)
+
+    def reuse():
+        return bench.reusable_records(args, names, json.loads(args.results.read_text()), runs)
+
+    reused, commands = reuse()
     # a fresh checkout: every recorded model is reused; the one not recorded is computed
     assert set(reused) == {"source", "source_linear", "window", "window_adjacent_sinks"}
     assert reused["source"]["mark"] == "source" and len(commands) == 4
@@ -190,26 +212,30 @@ def test_figures_of_models_whose_runs_are_absent_are_reused_from_the_results(tmp
     assert bench.command_writes("-m attnzoo.convert.attention runs/x/source runs/x/converted/window_converted "
                                 "--family window") == "window_converted"
     # a run of the benchmark's in --output_dir (finished or started) is read or resumed, not taken from the results
-    (tmp_path / "runs" / "records").mkdir(parents=True)
-    (tmp_path / "runs" / "records" / "window_command.json").write_text("[]")
-    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear", "window_adjacent_sinks"}
+    runs.write_record("window", "command", [])
+    assert set(reuse()[0]) == {"source", "source_linear", "window_adjacent_sinks"}
     # a variant computed needs its trained model's weights: that one is computed too
-    (tmp_path / "runs" / "records" / "window_command.json").unlink()
-    (tmp_path / "runs" / "records" / "window_adjacent_sinks_started.json").write_text("{}")
-    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear"}
-    (tmp_path / "runs" / "records" / "window_adjacent_sinks_started.json").unlink()
-    # another setup, another design under the name, other inference settings or --retrain: nothing of it reused
-    assert bench.reusable_records(args, {**setup, "steps": 10}, names) == ({}, [])
+    runs.record_file("window", "command").unlink()
+    runs.write_record("window_adjacent_sinks", "started", {})
+    assert set(reuse()[0]) == {"source", "source_linear"}
+    runs.record_file("window_adjacent_sinks", "started").unlink()
+    # another design under the name, other inference settings or --retrain: nothing of it reused
     recorded = json.loads(args.results.read_text())
     recorded["designs"]["window"] = ["window", ["window_size=64"]]
     recorded["models"]["window_adjacent_sinks"]["inference_settings"] = {"sink_positions": "absolute"}
     args.results.write_text(json.dumps(recorded))
-    assert set(bench.reusable_records(args, setup, names)[0]) == {"source", "source_linear"}
+    assert set(reuse()[0]) == {"source", "source_linear"}
     del recorded["models"]["source_linear"]  # the source comes with its rope-scaling rows or is computed
     args.results.write_text(json.dumps(recorded))
-    assert bench.reusable_records(args, setup, names)[0] == {}
+    assert reuse()[0] == {}
     args.retrain = True
-    assert bench.reusable_records(args, setup, names) == ({}, [])
+    assert reuse() == ({}, [])
+    # another setup's report is not this setup's: its report goes beside it, and nothing of it is reused
+    args.retrain = False
+    recorded_results(tmp_path, flags)
+    other = {**setup, "steps": 10}
+    target = bench.report_target(args.results, other, lambda report: None, bench.LABEL)
+    assert target == tmp_path / f"lc-{owned.setup_digest(other)}.json" and not target.exists()
 
 
 @pytest.mark.slow
@@ -262,8 +288,13 @@ def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     assert added["models"]["window_adjacent_sinks"]["inference_settings"] == {"sink_positions": "adjacent"}
     shutil.rmtree(tmp_path / "runs")
     kept.rename(tmp_path / "runs")
+    committed = (tmp_path / "lc.json").read_bytes()
     changed = bench.main([*argv[:argv.index("--steps") + 1], "4", *argv[argv.index("--steps") + 2:]])
     assert changed["models"]["window"]["train_steps"] == 4  # other settings retrain, in the same folder
+    # ... and their report goes beside the earlier setup's, which is left as it was
+    assert (tmp_path / "lc.json").read_bytes() == committed
+    beside = [p.name for p in tmp_path.glob("lc-*.json")]
+    assert len(beside) == 1 and json.loads((tmp_path / beside[0]).read_text())["setup"]["steps"] == 4
     # a retrained source is converted and fine-tuned again
     tuned = tmp_path / "runs" / "window_converted" / "model.safetensors"
     assert tuned.stat().st_mtime > stamps["window_converted"]

@@ -77,17 +77,19 @@ class FarKeyMask(ChunkMask):
 
 def gather_heads(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """store [B, H, N, d] read at index [B, H, n] -> [B, H, n, d]."""
-    return store.gather(2, index[..., None].expand(-1, -1, -1, store.shape[-1]))
+    return gather_grouped(store, index)
 
 
 def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """store [B, kv_heads, N, d] read at index [B, H, n] for each query head (head h reads key/value head
-    h // (H / kv_heads)) -> [B, H, n, d], without repeating the store."""
+    h // (H / kv_heads)) -> [B, H, n, d], without repeating the store. Whole rows are copied (`index_select` over
+    the flattened store): an element-wise `gather` with the index expanded over d was several times slower."""
     batch, kv_heads, length, dim = store.shape
     heads = index.shape[1]
     group = torch.arange(heads, device=index.device)[None, :, None] // (heads // kv_heads)
-    flat = (group * length + index).reshape(batch, -1, 1).expand(-1, -1, dim)
-    return store.reshape(batch, kv_heads * length, dim).gather(1, flat).view(batch, heads, -1, dim)
+    row = torch.arange(batch, device=index.device)[:, None, None] * kv_heads + group
+    rows = (row * length + index).reshape(-1)
+    return store.reshape(batch * kv_heads * length, dim).index_select(0, rows).view(batch, heads, -1, dim)
 
 
 def candidate_positions(query_buckets: torch.Tensor, key_buckets: torch.Tensor, keep: int) -> torch.Tensor:
@@ -172,9 +174,9 @@ class LSHFarPart(LSHBuckets, FarPart):
     def _far_logits(self, q, keys):
         """Scores of queries q [..., T, d] against the keys retrieved for them [..., T, n, d] (shared QK: normalised,
         unscaled)."""
-        if self.shared_qk:
-            return torch.einsum("...td,...tnd->...tn", q, normalize_keys(keys))
-        return torch.einsum("...td,...tnd->...tn", q, keys) * self.scale
+        keys = normalize_keys(keys) if self.shared_qk else keys
+        logits = (keys @ q.unsqueeze(-1)).squeeze(-1)  # a batched matrix-vector product, no copies of the keys
+        return logits if self.shared_qk else logits * self.scale
 
     # -- hashing ----------------------------------------------------------------------------------------------------
     def _rotations_recomputable(self) -> bool:
@@ -278,11 +280,15 @@ class LSHFarPart(LSHBuckets, FarPart):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at
         `index` [B, H, T, n] (-1: none; keys, values [B, H, T, n, d] gathered there): those beyond the window."""
         far = (index >= 0) & beyond_window(position, index, self.layer.window_size, self.layer.sinks)
-        index = torch.where(far, index, -1)
         logits = self._far_logits(q, keys)
         if self.duplicate_correction:
-            counts = (index[..., :, None] == index[..., None, :]).sum(-1)
-            logits = logits - counts.to(logits.dtype).log()
+            # A key listed in c slots counts once: the correction's logit s - log(c) in each of its c slots sums to
+            # exp(s), as keeping its first slot alone does. Sorting the n slots finds repeats in O(n log n), where
+            # counting them pairwise built an [n, n] comparison per query (most of the far part's time).
+            ordered, order = torch.where(far, index, -1).sort(dim=-1)
+            first = torch.cat([torch.ones_like(ordered[..., :1], dtype=torch.bool),
+                               ordered[..., 1:] != ordered[..., :-1]], dim=-1)
+            far = far & torch.empty_like(first).scatter_(-1, order, first)
         num, den, lse = normalised_far(logits.masked_fill(~far, float("-inf")).unsqueeze(-2), values)
         return num.squeeze(-2), den.squeeze(-1), lse.squeeze(-1)
 

@@ -92,7 +92,7 @@ def test_far_kernel_is_an_unbiased_estimate_of_the_softmax_weights():
         k, v = attn.expand_kv(k), attn.expand_kv(v)
         log_a, log_k = attn.far.reference_terms(q, k, v, torch.ones(draws, 10, dtype=torch.bool))
         kernel = torch.exp(log_a[:, :, :, None, :] + log_k[:, :, None, :, :]).sum(-1)  # [draws, H, L, L]
-        exact = torch.exp((q[0] @ k[0].transpose(-1, -2)) * attn.far.scale)  # [H, L, L]
+        exact = torch.exp((q[0] @ k[0].transpose(-1, -2)) * attn.near.scale)  # [H, L, L]
     far = torch.ones(10, 10, dtype=torch.bool).tril(-1)  # window 1, no sinks: every earlier key is far
     ratio = kernel.mean(0)[:, far] / exact[:, far]
     standard_error = kernel.std(0)[:, far] / exact[:, far] / draws ** 0.5

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnzoo.modeling.attention.chunked_attention import ChunkedAttention, head_projection
+from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.attention.lsh import LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import hash_buckets, inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
@@ -121,9 +121,11 @@ class LSHFarPart(LSHBuckets, FarPart):
     # FarKeyMask adds a condition that only the PyTorch path reads.
     chunk_backend = "torch"
 
+    shared_qk_field = "lsh_shared_qk"
+
     def __init__(self, layer, config):
-        self.shared_qk = config.lsh_shared_qk  # before the projections are built
         super().__init__(layer, config)
+        self.shared_qk = layer.shared_qk
         self.chunk_length, self.chunks_before, self.chunks_after = config.lsh_chunk_length, \
             config.lsh_num_chunks_before, 0
         dropout = config.lsh_attention_probs_dropout_prob
@@ -134,38 +136,10 @@ class LSHFarPart(LSHBuckets, FarPart):
     def dropout_rate(self) -> float:
         return self.dropout if self.training else 0.0
 
-    # -- projections and the near part's scores ---------------------------------------------------------------------
-    def build_projections(self) -> None:
-        if not self.shared_qk:
-            return super().build_projections()
-        # Shared QK has one head per query head; grouped-query models group the values only.
-        layer = self.layer
-        layer.query_key, layer.value = head_projection(layer), head_projection(layer, key_value=True)
-        layer.output = head_projection(layer, into_heads=False)
-
-    def project(self, hidden_states):
-        """Shared QK: (qk, qk, v), the shared query-key vectors as both queries and keys and the values with their
-        key/value heads, in the model's dtype (the layer rotates them, before hashing: buckets then group vectors
-        that are close in content and position alike). Separate: q, k, v as every windowed layer projects them."""
-        if not self.shared_qk:
-            return super().project(hidden_states)
-        layer = self.layer
-        qk = layer.split_heads(layer.query_key(hidden_states))
-        return qk, qk, layer.split_heads(layer.value(hidden_states))
-
-    def output(self, x):
-        return self.layer.output(x) if self.shared_qk else super().output(x)
-
-    def near_keys(self, k):
-        return normalize_keys(k) if self.shared_qk else super().near_keys(k)  # shared: one head per query head
-
     @property
     def scale(self) -> float:
-        return 1.0 if self.shared_qk else super().scale
-
-    @property
-    def penalises_own_key(self) -> bool:
-        return self.shared_qk
+        """The far part's score scale, the layer's: 1 with shared QK (LSH's scores), 1 / √d with separate QK."""
+        return 1.0 if self.shared_qk else 1.0 / math.sqrt(self.head_dim)
 
     @property
     def near_dropout(self) -> float:

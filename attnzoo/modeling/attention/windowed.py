@@ -34,7 +34,9 @@ is wrong, rather than failing, or broadcasting silently, inside `merge_far`.
 The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
 near part's, unless the layer's `far_positions` is "none" (then before rotation, the queries scaled as
 `far_query_scale` says; the ring then also keeps the window's keys as the far part sees them, to hand over as they
-leave). `project(hidden_states)` gives q, k, v before any rotation; the layer rotates.
+leave). The layer projects, rotates and scores: separate q, k, v (q·k / √d), or, where the far part names a config
+field that asks for it (`shared_qk_field`: LSH's `lsh_shared_qk`), one shared query-key projection whose keys the
+near part normalises and scores unscaled, a query's own key penalised; the far part only describes itself.
 
 A far part whose estimate of exp(s_ij) is on the exact scale (FAVOR+'s and LARA's features) returns its sums with
 their common log scale; one that is normalised itself (LSH's bucket softmax, RA's far values) returns its output as
@@ -67,6 +69,8 @@ from attnzoo.modeling.attention.base import (
     register_attention,
     replaceable,
 )
+from attnzoo.modeling.attention.chunked_attention import head_projection
+from attnzoo.modeling.attention.lsh_hashing import normalize_keys
 from attnzoo.modeling.attention.window import (
     NearPart,
     WindowStateLayer,
@@ -124,7 +128,8 @@ def check_far_outputs(layer: WindowedAttention, form: str, outputs, q: torch.Ten
 
 class FarPart:
     """The far part of a windowed layer: see the module docstring for the contract. Subclasses implement
-    `parallel`, `step` and `reference`, and override the hooks below where their family needs it."""
+    `parallel`, `step` and `reference`; the class attributes below describe them to the layer, which projects,
+    rotates and scores (nothing of the near part is the far part's)."""
 
     #: the config class (by name) whose fields the far part reads (its layer also reads `ZooWindowSettings`)
     family_config: ClassVar[str] = "ZooConfig"
@@ -134,43 +139,18 @@ class FarPart:
     projection_names: ClassVar[tuple[str, ...]] = ZooAttention.projection_names
     #: the config field of the head width when the family has its own (the Reformer's `reformer_head_size`)
     head_size_field: ClassVar[str | None] = None
-    #: whether a query's own key gets LSH's large finite penalty in the near part (used only when nothing else is)
-    penalises_own_key: ClassVar[bool] = False
+    #: the config field that says whether queries and keys share one projection (LSH's shared QK, whose keys are the
+    #: normalised queries); None: separate projections. The layer projects and scores accordingly.
+    shared_qk_field: ClassVar[str | None] = None
 
     def __init__(self, layer: WindowedAttention, config):
         self.layer = layer  # a plain reference: the far part is not a module, its parameters are the layer's
-        self.build_projections()
 
     # what the far part reads of its layer
     training = property(lambda self: self.layer.training)
     num_heads = property(lambda self: self.layer.num_heads)
     head_dim = property(lambda self: self.layer.head_dim)
     layer_idx = property(lambda self: self.layer.layer_idx)
-
-    # -- projections and the near part's scores ----------------------------------------------------------------------
-    def build_projections(self) -> None:
-        self.layer.build_projections()
-
-    def project(self, hidden_states):
-        """q [B, H, L, d] and k, v [B, kv_heads, L, d] (the ring and the states keep the unrepeated heads), in float32
-        at least, before rotary positions: the layer rotates them (and gives the far part the rotated or the plain
-        ones, as `far_positions` says)."""
-        layer = self.layer
-        compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        projections = (layer.q_proj, layer.k_proj, layer.v_proj)
-        return tuple(layer.split_heads(p(hidden_states)).to(compute) for p in projections)
-
-    def output(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer.o_proj(x)
-
-    def near_keys(self, k: torch.Tensor) -> torch.Tensor:
-        """The keys the near part scores against, one per query head, from `project`'s keys."""
-        return self.layer.expand_kv(k)
-
-    @property
-    def scale(self) -> float:
-        """The near part's score scale: s_ij = scale * q_i·key_j."""
-        return 1.0 / math.sqrt(self.head_dim)
 
     @property
     def near_dropout(self) -> float:
@@ -221,21 +201,23 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         self.window_size = config.window_size
         self.sinks = config.num_sink_tokens
         self.sink_positions = config.sink_positions
-        if far_part_class is None:
-            self.build_projections()
-            self.far = None
-            self.window_dropout = config.attention_probs_dropout_prob
+        field = far_part_class.shared_qk_field if far_part_class is not None else None
+        self.shared_qk = bool(getattr(config, field)) if field else False
+        if self.shared_qk:  # one head per query head for the shared vectors; grouped-query models group the values
+            self.query_key, self.value = head_projection(self), head_projection(self, key_value=True)
+            self.output = head_projection(self, into_heads=False)
         else:
-            self.far = far_part_class(self, config)
+            self.build_projections()
+        self.window_dropout = config.attention_probs_dropout_prob
+        self.far = None if far_part_class is None else far_part_class(self, config)
 
     @property
     def near(self) -> NearPart:
-        """The near part with the layer's scoring (`FarPart.scale`, `penalises_own_key`) and dropout now."""
-        if self.far is None:
-            return NearPart(self.window_size, self.sinks, self.causal, 1.0 / math.sqrt(self.head_dim),
-                            dropout=self.window_dropout)
-        return NearPart(self.window_size, self.sinks, True, self.far.scale, self.far.penalises_own_key,
-                        self.far.near_dropout)
+        """The near part with the layer's scoring and the dropout of now: q·k / √d, or with shared QK LSH's (keys
+        normalised, no scale, a query's own key penalised: used only when nothing else is)."""
+        scale = 1.0 if self.shared_qk else 1.0 / math.sqrt(self.head_dim)
+        dropout = self.window_dropout if self.far is None else self.far.near_dropout
+        return NearPart(self.window_size, self.sinks, self.causal, scale, self.shared_qk, dropout)
 
     def start_forward(self) -> None:
         if self.far is not None:
@@ -257,16 +239,24 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         return None  # the ring and the far states are updated out of place: no static slot yet
 
     def _project(self, hidden_states):
-        if self.far is not None:
-            return self.far.project(hidden_states)
-        return tuple(self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        """q [B, H, L, d] and k, v [B, kv_heads, L, d] before rotary positions (the ring and the states keep the
+        unrepeated heads); with a far part in float32 at least, for its features and sums. Shared QK: (qk, qk, v),
+        in the model's dtype."""
+        if self.shared_qk:
+            qk = self.split_heads(self.query_key(hidden_states))
+            return qk, qk, self.split_heads(self.value(hidden_states))
+        qkv = (self.split_heads(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.far is None:
+            return tuple(qkv)
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        return tuple(x.to(compute) for x in qkv)
 
     def _output(self, x):
-        return self.o_proj(x) if self.far is None else self.far.output(x)
+        return self.output(x) if self.shared_qk else self.o_proj(x)
 
     def _near_keys(self, k):
         """The keys the near part scores against (shared QK: normalised, one per query head)."""
-        return k if self.far is None else self.far.near_keys(k)
+        return normalize_keys(k) if self.shared_qk else k
 
     def _views(self, hidden_states, position_ids, past, layer=None, valid=None):
         """(q, k, v, q_far, k_far, sink_q): the near part's rotated queries and keys, the values, what the far part

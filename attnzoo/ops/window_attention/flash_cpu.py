@@ -139,9 +139,11 @@ def _prepare(q, k, v, sink_q, window):
     grouped key/value heads repeated."""
     pad = (-q.shape[2]) % window
     heads = q.shape[1]
-    k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (k, v))
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    return q, k, v, None if sink_q is None else F.pad(sink_q, (0, 0, 0, pad))
+    k, v = (x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x for x in (k, v))
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        sink_q = None if sink_q is None else F.pad(sink_q, (0, 0, 0, pad))
+    return q, k, v, sink_q
 
 
 def _sink_scores(q, sink_q, ks, window, scale):
@@ -152,37 +154,56 @@ def _sink_scores(q, sink_q, ks, window, scale):
     return scores.masked_fill(index[:, None] - sink_index[None, :] < window, float("-inf"))
 
 
+def _share(lse, merged):
+    """exp(lse - merged): a part's share of a merged softmax, 0 where neither part has a key (-inf - -inf)."""
+    return torch.exp(lse - merged).nan_to_num_(0.0)
+
+
+def _add_piece(out, lse, piece_out, piece_lse):
+    """Merge a piece (output and log-sum-exp at the same rows) into `out` and `lse`, in place: the softmax over the
+    union of their keys."""
+    merged = torch.logaddexp(lse, piece_lse)
+    out.mul_(_share(lse, merged).unsqueeze(-1)).add_(piece_out * _share(piece_lse, merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
 def _merge(q, k, v, sink_q, window, sinks, scale, own_score):
-    """Forward over padded, head-repeated inputs: (out [B, H, Lp, e], lse [B, H, Lp])."""
+    """Forward over padded, head-repeated inputs: (out [B, H, Lp, e], lse [B, H, Lp]). The pieces are merged in
+    block layout, in place, into the first one's output (no buffer per piece)."""
     qb, kb, vb = (_blocks(x, window) for x in (q, k, v))
-    outs, lses = [], []
-    for name in piece_names(qb.shape[1], window, own_score):  # one or two fused calls, whatever the length
-        out, lse = _flash(take(name, qb, False), take(name, kb, True), take(name, vb, True), scale)
-        full_out = out.new_zeros(*qb.shape[:-1], v.shape[-1])
-        full_lse = lse.new_full(qb.shape[:-1], float("-inf"))
-        put(name, full_out, out, keys=False, add=False)
-        put(name, full_lse, lse, keys=False, add=False)
-        outs.append(_unblocks(full_out))
-        lses.append(_unblocks(full_lse).to(q.dtype))
+    names = piece_names(qb.shape[1], window, own_score)
+    if names and names[0] == "own":
+        out, lse = _flash(qb, kb, vb, scale)
+        lse = lse.to(q.dtype)
+    else:  # the own block strictly below the diagonal: the first row of each block sees no key there
+        out = q.new_zeros(*qb.shape[:-1], v.shape[-1])
+        lse = q.new_full(qb.shape[:-1], float("-inf"))
+        if names:
+            piece_out, piece_lse = _flash(take(names[0], qb, False), take(names[0], kb, True),
+                                          take(names[0], vb, True), scale)
+            put(names[0], out, piece_out, keys=False, add=False)
+            put(names[0], lse, piece_lse.to(q.dtype), keys=False, add=False)
+    if "previous" in names:  # one or two fused calls in all, whatever the length
+        piece_out, piece_lse = _flash(take("previous", qb, False), take("previous", kb, True),
+                                      take("previous", vb, True), scale)
+        (blocks, items), _, _ = PIECES["previous"]
+        _add_piece(out[:, blocks, :, items], lse[:, blocks, :, items], piece_out.flip(3),
+                   piece_lse.flip(3).to(q.dtype))
     count = min(sinks, q.shape[2])
-    sink_scores = _sink_scores(q, sink_q, k[:, :, :count], window, scale) if count else None
-    if sink_scores is not None:
-        lses.append(sink_scores.logsumexp(-1))
+    if count:
+        scores = _blocks(_sink_scores(q, sink_q, k[:, :, :count], window, scale), window)  # [B, nb, H, w, S]
+        sink_lse = scores.logsumexp(-1)
+        merged = torch.logaddexp(lse, sink_lse)
+        out.mul_(_share(lse, merged).unsqueeze(-1)).add_(_share(scores, merged.unsqueeze(-1)) @ v[:, None, :, :count])
+        lse = merged
     if own_score is not None:
-        lses.append(torch.full_like(q[..., 0], own_score))
-    lse = torch.stack(lses).logsumexp(0)
-    out = sum(torch.exp(piece_lse - lse)[..., None] * piece_out for piece_out, piece_lse in
-              zip(outs, lses[:len(outs)], strict=True))
-    if sink_scores is not None:
-        out = out + torch.exp(sink_scores - lse[..., None]) @ v[:, :, :count]
-    if own_score is not None:
-        out = out + torch.exp(own_score - lse)[..., None] * v
-    return out.to(q.dtype), lse
+        _add_piece(out, lse, vb, torch.full_like(lse, own_score))
+    return _unblocks(out).to(q.dtype), _unblocks(lse)
 
 
 def _merge_backward(q, k, v, sink_q, out, lse, grad_out, grad_lse, window, sinks, scale, own_score):
     """The backward of `_merge`: (dq, dk, dv, dsink_q or None), keys and values still head-repeated."""
-    qb, kb, vb, ob, gb = (_blocks(x, window) for x in (q, k, v, out, grad_out))
+    qb, kb, vb, ob, gb = (_blocks(x, window) for x in (q, k, v, out, grad_out))  # out, lse: the merged ones
     lb = _blocks(lse, window)
     glb = None if grad_lse is None else _blocks(grad_lse, window)
     dqb, dkb, dvb = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)

@@ -25,7 +25,9 @@ For each: MSE against exact softmax attention (averaged over heads, layers, imag
 sample size 1/Σ w² of each query's sample weights, and the mean weight of each query's own position in the implied
 attention matrix ("self weight"; softmax's own is reported beside it). A consistency run holds LARA at 16 proposals
 and raises the samples drawn per proposal (1-49) for both σ. Results: benchmarks/results/approximation_quality.json
-and .png; the results page benchmarks/approximation_quality.md explains them.
+and .png (`--output`), replaced only by a report of the same setup (another setup's goes beside it; a file that is not
+this benchmark's report is refused: benchmarks/owned_outputs.py); the results page benchmarks/approximation_quality.md
+explains them.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import approximation_estimators as est  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForImageClassification  # noqa: E402
 from attnzoo.modeling.attention import SoftmaxAttention, softmax_attention_reference  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/approximation_quality"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = require_keys("setup", "labels", "sources", benchmark="approximation_quality")
 SOURCES = ("vit", "iid", "clustered")
 SAMPLES = [4, 9, 16, 25, 49, 100, 196]
 CONSISTENCY_PROPOSALS = 16
@@ -248,13 +254,13 @@ def findings(source: dict, samples, per_proposal) -> dict:
     }
 
 
-def load_blocks(name: str, args, setup: dict):
+def load_blocks(name: str, args, run: dict):
     if name == "vit":
         start = time.perf_counter()
         model, x_test, accuracy = train_vit(args.device, args.epochs, args.train_images)
         print(f"softmax ViT: held-out accuracy {accuracy:.3f} ({time.perf_counter() - start:.0f} s to train)",
               flush=True)
-        setup["vit_test_accuracy"] = accuracy
+        run["vit_test_accuracy"] = accuracy
         return capture_qkv(model, x_test[: args.images])
     return [synthetic_qkv(name, args.images, seed=1 if name == "iid" else 2, device=args.device)]
 
@@ -296,12 +302,17 @@ def main(argv=None):
     args = parse_args(argv)
     setup = {"device": args.device, "images": args.images, "draws": args.draws, "tokens": TOKENS, "heads": HEADS,
              "head_dim": HEAD_DIM, "vit_layers": 4, "consistency_proposals": CONSISTENCY_PROPOSALS,
-             "clusters": CLUSTERS, "cluster_noise": CLUSTER_NOISE, "quick": args.quick}
-    result = {"setup": setup, "labels": LABELS, "sources": {}}
+             "clusters": CLUSTERS, "cluster_noise": CLUSTER_NOISE, "quick": args.quick, "sources": args.sources,
+             "epochs": args.epochs, "train_images": args.train_images, "samples": args.samples,
+             "per_proposal": args.per_proposal}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output")
+    # what the run found beside its figures (the ViT's accuracy, the time, the threads): not the setup
+    result = {"benchmark": "approximation_quality", "setup": setup, "run": {}, "labels": LABELS, "sources": {}}
     run_start = time.perf_counter()
     for name in args.sources:
         start = time.perf_counter()
-        blocks = load_blocks(name, args, setup)
+        blocks = load_blocks(name, args, result["run"])
         torch.manual_seed(0)  # every estimator draws from the global generator
         with torch.no_grad():
             source = {"softmax_self_weight": softmax_self_weight(blocks), "reference_mse": reference_errors(blocks),
@@ -311,12 +322,11 @@ def main(argv=None):
         source["seconds"] = time.perf_counter() - start  # wall clock, ViT training included
         result["sources"][name] = source
         report(name, source, args.samples, args.per_proposal)
-    setup["seconds"] = time.perf_counter() - run_start
-    setup["torch_threads"] = torch.get_num_threads()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2))
-    plot(result, args.output.with_suffix(".png"))
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    result["run"]["seconds"] = time.perf_counter() - run_start
+    result["run"]["torch_threads"] = torch.get_num_threads()
+    write_report(output, result, indent=2)
+    plot(result, output.with_suffix(".png"))
+    print(f"wrote {output} and {output.with_suffix('.png')}")
     return result
 
 
@@ -347,7 +357,7 @@ def plot(result, path):
     sources = result["sources"]
     fig, axes = plt.subplots(len(sources), 4, figsize=(19, 4.2 * len(sources)), squeeze=False)
     for row, (name, source) in zip(axes, sources.items(), strict=True):
-        title = name if name != "vit" else f"vit (digits, acc {result['setup']['vit_test_accuracy']:.2f})"
+        title = name if name != "vit" else f"vit (digits, acc {result['run']['vit_test_accuracy']:.2f})"
         for method, values in source["methods"].items():
             style, color = STYLES[method]
             counts = sorted(int(m) for m in values["mse"])
@@ -390,4 +400,4 @@ def plot(result, path):
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -11,7 +11,9 @@ step; the JSON records the median step time of both, their ratio, the compile ti
 the share of the eager step spent in matrix products (torch.profiler, self time of mm/addmm/bmm/SDPA kernels): the
 compiler fuses the work around them, so 1 / (1 - that share) is what removing all the rest would give if the
 products stayed as they are (a reference, not a hard limit: a fusion can also remove a copy feeding a product).
-Results: benchmarks/results/compile_speed_<device>.json and .png.
+Results: benchmarks/results/compile_speed_<device>.json and .png (`--output`), replaced only by a report of the same
+setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -28,12 +30,23 @@ import time
 from pathlib import Path
 
 import torch
-from harness import step_seconds, sync
+from harness import report_check, setup_or_legacy, step_seconds, sync
+from owned_outputs import exit_on_refusal, report_target, write_report
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attnzoo  # noqa: F401  (registers the families)
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/compile_speed"
+EXPERIMENT = "torch.compile(fullgraph=True) vs eager, causal-LM training step"
+MODEL = "4 layers, hidden 256, 4 heads, FFN 1024, batch 1"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = report_check("rows", "device", "threads", "repeats", benchmark="compile_speed", experiment=EXPERIMENT)
+#: the setup of a report from before reports stored theirs: what it recorded, the lengths and families from its rows
+LEGACY_SETUP = setup_or_legacy(lambda r: {
+    "device": r["device"], "threads": r["threads"], "lengths": list(dict.fromkeys(row["tokens"] for row in r["rows"])),
+    "repeats": r["repeats"], "families": list(dict.fromkeys(row["family"] for row in r["rows"])),
+    "inductor_caches": r["inductor_caches"], "model": r["model"]})
 FAMILIES = {
     "softmax": {},
     "reformer": {"lsh_chunk_length": 64, "local_chunk_length": 64},
@@ -144,24 +157,27 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths, repeats = ([256], 1) if args.quick else (args.lengths, args.repeats)
+    caches = "disabled" if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1" else "enabled"
+    setup = {"device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+             "threads": torch.get_num_threads(), "lengths": lengths, "repeats": repeats, "families": args.families,
+             "inductor_caches": caches, "model": MODEL}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    requested = Path(args.output) if args.output else RESULTS / f"compile_speed_{args.device.split(':')[0]}.json"
+    out = report_target(requested, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output", setup_of=LEGACY_SETUP)
     rows = []
     for length in lengths:
         for family in args.families:
             rows.append(measure(family, length, args.device, repeats))
             print(json.dumps(rows[-1]), flush=True)
-    report = {"experiment": "torch.compile(fullgraph=True) vs eager, causal-LM training step",
+    report = {"benchmark": "compile_speed", "experiment": EXPERIMENT, "setup": setup,
               "command": " ".join(["python", "benchmarks/compile_speed.py", *(sys.argv[1:] if argv is None else argv)]),
-              "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
-              "inductor_caches": "disabled" if os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] == "1" else "enabled",
-              "model": "4 layers, hidden 256, 4 heads, FFN 1024, batch 1", "rows": rows}
-    out = Path(args.output) if args.output else RESULTS / f"compile_speed_{args.device.split(':')[0]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+              "device": setup["device"], "threads": setup["threads"], "torch": torch.__version__, "repeats": repeats,
+              "inductor_caches": setup["inductor_caches"], "model": MODEL, "rows": rows}
+    write_report(out, report)
     plot(rows, out.with_suffix(".png"), f"torch.compile speed-up of a training step, {report['device']}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return report
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

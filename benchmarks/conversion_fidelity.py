@@ -18,13 +18,13 @@ agreement with the source (ViT). Knobs: Performer num_random_features; RA ra_num
 `lara_chunk_size` chunk, plus the prior); Reformer lsh_num_hashes with every layer LSH. LSH shares queries and keys,
 so its limit is full shared-QK attention, not the source: that floor is measured too (`lsh_full_attention_threshold`
 >= length). Random parts (features, samples, hashes) are averaged over `--seeds` seeds.
-Writes benchmarks/results/conversion_fidelity.json and .png.
+Writes benchmarks/results/conversion_fidelity.json and .png (`--results`), replaced only by a report of the same setup
+(another setup's goes beside it; a file that is not this benchmark's report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -32,8 +32,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/conversion_fidelity"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = require_keys("gpt2", "vit", "seeds", benchmark="conversion_fidelity")
 BLOCK = 256
 
 GPT2_SWEEPS = {
@@ -238,17 +244,23 @@ def vit_fidelity(args) -> dict:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    setup = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "results"},
+             "gpt2_sweeps": GPT2_SWEEPS, "vit_sweeps": VIT_SWEEPS}
+    # decided before measuring (and before training a missing source): a file that is not this benchmark's report is
+    # refused with nothing run
+    target = report_target(args.results, setup, REPORT_CHECK, f"{SCRIPT}.py")
     started = time.time()
     print("GPT-2 (byte-level, causal):", flush=True)
     gpt2_result = gpt2_fidelity(args)
     print("ViT (rendered digits):", flush=True)
     vit_result = vit_fidelity(args)
-    report = {"gpt2": gpt2_result, "vit": vit_result, "seeds": args.seeds,
+    report = {"benchmark": "conversion_fidelity", "setup": setup, "gpt2": gpt2_result, "vit": vit_result,
+              "seeds": args.seeds,
               "command": "python benchmarks/conversion_fidelity.py " + " ".join(argv or sys.argv[1:]),
               "wall_seconds": round(time.time() - started, 1)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=2))
-    plot(report, args.results.with_suffix(".png"))
+    write_report(target, report, indent=2)
+    plot(report, target.with_suffix(".png"))
+    print(f"wrote {target} and {target.with_suffix('.png')}")
     return report
 
 
@@ -289,4 +301,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

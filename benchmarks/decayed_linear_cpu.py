@@ -10,7 +10,9 @@
 2. The whole op (chunked PyTorch path, chunks of 64) forward + backward against the existing causal linear attention
    of attnzoo.modeling.attention.random_features (one key constant for the whole sequence, no running max), batch 1,
    8 heads, r = 256, e = 64, float32.
-Times: median of --repeats runs (benchmarks/harness.py). Results: benchmarks/results/decayed_linear_cpu.json, .png.
+Times: median of --repeats runs (benchmarks/harness.py). Results: benchmarks/results/decayed_linear_cpu.json, .png
+(`--output`), replaced only by a report of the same setup (a --quick run's goes beside the committed one; a file that
+is not this benchmark's report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import step_seconds  # noqa: E402
+from harness import setup_or_legacy, step_seconds  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/decayed_linear_cpu"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = require_keys("scan", "op", "repeats", "threads", benchmark="decayed_linear_cpu")
+#: the setup of a report from before reports stored theirs: its threads and repeats, the lengths of its scan rows
+LEGACY_SETUP = setup_or_legacy(lambda r: {"lengths": list(dict.fromkeys(row["tokens"] for row in r["scan"])),
+                                          "repeats": r["repeats"], "threads": r["threads"]})
 HEADS, FEATURES, VALUE_DIM, CHUNK = 8, 256, 64, 64
 
 
@@ -185,20 +194,24 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="4K tokens only, 1 repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--output", type=Path, default=None, help="default: benchmarks/results/decayed_linear_cpu.json")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [4096] if args.quick else [4096, 16384]
     repeats = 1 if args.quick else args.repeats
-    results = {"threads": torch.get_num_threads(), "torch": torch.__version__, "repeats": repeats,
+    setup = {"lengths": lengths, "repeats": repeats, "threads": torch.get_num_threads()}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    out = report_target(args.output or RESULTS / "decayed_linear_cpu.json", setup, REPORT_CHECK, f"{SCRIPT}.py",
+                        flag="--output", setup_of=LEGACY_SETUP)
+    results = {"benchmark": "decayed_linear_cpu", "setup": setup, "threads": setup["threads"],
+               "torch": torch.__version__, "repeats": repeats,
                "scan": [row for n in lengths for row in scan_rows(n // CHUNK, repeats)],
                "op": [row for n in [1024, *lengths] for row in op_rows(n, repeats)]}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "decayed_linear_cpu.json"
-    out.write_text(json.dumps(results, indent=1))
+    write_report(out, results)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -56,9 +56,12 @@ families from `model.new_decoding_cache(max_cache_len=context + steps)`, fixed s
 window-with-sinks attentions have none and are recorded as `no_static_cache`) with its decode step compiled by
 `torch.compile(fullgraph=True, dynamic=False)`, `mode="reduce-overhead"` (CUDA graphs) on a GPU; the warm-up steps
 compile (`warmup_s`), the timed ones replay. Results go to decoding_speed_<device>_compiled.json.
-Results: benchmarks/results/decoding_speed_<device>.json and .png (`--output` elsewhere). The JSON is rewritten
-after every worker, so a run stopped part-way keeps its rows; `--merge` adds a run's rows to those of an earlier
-run in `--output` (re-run configurations replaced), refusing one with other settings or on another device.
+Results: benchmarks/results/decoding_speed_<device>.json and .png (`--output` elsewhere), replaced only by a report
+of the same setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py). The JSON is rewritten after every worker, so a run stopped part-way keeps its rows;
+`--merge` adds a run's rows to those of an earlier report of this benchmark in `--output` (re-run configurations
+replaced), refusing one with other settings or on another device. `--docs_only` writes docs/benchmarks.md's table
+from the committed report (decoding_speed_<device>.json) only.
 
 Time on one H100/H200 (estimated, not yet measured): a worker takes about 5-10 s (start-up, a prefill of up to
 8 x 64K tokens, 36 steps), so the default sweep (9 implementations x 2 batch sizes x 4 contexts = 72 workers)
@@ -83,9 +86,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import cache_state_bytes, rss_peak_mib, run_worker, step_seconds, sync  # noqa: E402
+from harness import (  # noqa: E402
+    cache_state_bytes,
+    cuda_device_name,
+    rss_peak_mib,
+    run_worker,
+    setup_or_legacy,
+    step_seconds,
+    sync,
+)
+from owned_outputs import exit_on_refusal, publishes_tables, read_report, report_target, require_keys  # noqa: E402
+from owned_outputs import write_report as write_whole  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/decoding_speed"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = require_keys("environment", "settings", "baseline", "models", "rows", benchmark="decoding_speed")
 
 #: decoder family -> (model_type, settings beyond the shared sizes): the zoo's decoder families with their own
 #: defaults, and the windowed attentions in a hybrid config
@@ -533,6 +549,30 @@ def summarise(rows: list[dict], families: list[str], baseline: str) -> dict:
                         for r in rows if r.get("status") != "ok"]}
 
 
+def sweep_setup(device: str, settings: dict, families: list[str], transformers_static: bool, batch_sizes,
+                contexts) -> dict:
+    """A report's setup: what is measured (the model settings, the implementations, the batch sizes and contexts)
+    and where."""
+    return {"device": device, "settings": settings, "families": list(families),
+            "transformers_static": transformers_static, "batch_sizes": sorted(set(batch_sizes)),
+            "contexts": sorted(set(contexts))}
+
+
+#: the setup of a report from before reports stored theirs: its device and settings, the families of its models,
+#: the batch sizes and contexts of its rows
+LEGACY_SETUP = setup_or_legacy(lambda r: sweep_setup(
+    r["environment"]["device"], r["settings"], [m for m in r["models"] if m not in (ZOO_STATIC, GPT2_STATIC)],
+    GPT2_STATIC in r["models"], [row["batch"] for row in r["rows"]], [row["context"] for row in r["rows"]]))
+
+
+def merged_setup(previous: dict, setup: dict) -> dict:
+    """The setup of a merged report: the earlier report's sweep and this run's together."""
+    before = LEGACY_SETUP(previous) or setup
+    return sweep_setup(setup["device"], setup["settings"], dict.fromkeys([*before["families"], *setup["families"]]),
+                       before["transformers_static"] or setup["transformers_static"],
+                       [*before["batch_sizes"], *setup["batch_sizes"]], [*before["contexts"], *setup["contexts"]])
+
+
 def check_mergeable(previous: dict, report: dict, output: Path) -> None:
     """ValueError unless the run in `output` measured the same things on the same device as this one."""
     for key in ("settings", "baseline"):
@@ -566,14 +606,33 @@ def main(argv=None):
     if args.docs_only:
         from harness import write_between_markers
 
-        report = json.loads(args.output.read_text())
-        write_between_markers(args.docs, TABLE_START, TABLE_END, decoding_table(report))
-        print(f"wrote the decoding table of {args.output} into {args.docs}")
+        report = read_report(args.output, REPORT_CHECK, f"{SCRIPT}.py", flag="--output")
+        committed = RESULTS / f"decoding_speed_{args.device.split(':')[0]}.json"
+        if publishes_tables(args.output, committed):  # the docs show the committed report, no other
+            write_between_markers(args.docs, TABLE_START, TABLE_END, decoding_table(report))
+            print(f"wrote the decoding table of {args.output} into {args.docs}")
+        else:
+            print(f"{args.output} is not the committed report: the decoding table of {args.docs} shows {committed} "
+                  "and is left as it is.")
         return report
 
     import transformers
 
     settings = settings_of(args)
+    device = cuda_device_name(args.device) if args.device.startswith("cuda") else device_name(args.device, args.threads)
+    setup = sweep_setup(device, settings, args.families, not args.skip_transformers_static, args.batch_sizes,
+                        args.contexts)
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run; --merge adds
+    # to --output only when it holds this benchmark's report
+    if args.merge:
+        output = args.output
+        previous = read_report(output, REPORT_CHECK, f"{SCRIPT}.py", flag="--output",
+                               fix="It is left as it is and nothing was written: --merge adds only to a report of "
+                                   "this benchmark; drop --merge or name another --output")
+    else:
+        output = report_target(args.output, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output",
+                               setup_of=LEGACY_SETUP)
+        previous = None
     static_ok, static_note = static_cache_probe(settings)
     baseline = ZOO_STATIC if static_ok else "softmax"
     impls = list(args.families)
@@ -583,7 +642,9 @@ def main(argv=None):
         impls.insert(1, GPT2_STATIC)
     print(f"baseline: {baseline}. {static_note}", flush=True)
     report = {
-        "environment": {"device": None, "torch": torch.__version__, "transformers": transformers.__version__,
+        "benchmark": "decoding_speed",
+        "setup": setup if previous is None else merged_setup(previous, setup),
+        "environment": {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(),
                         "command": shlex.join(["python", "benchmarks/decoding_speed.py", *argv]),
                         "workers": "one for all configurations" if args.one_worker else "one per configuration"},
@@ -592,9 +653,8 @@ def main(argv=None):
         "models": model_descriptions(impls, settings),
         "rows": [],
     }
-    previous = json.loads(args.output.read_text()) if args.merge else None
     if previous is not None:
-        check_mergeable(previous, report, args.output)
+        check_mergeable(previous, report, output)
         report["environment"]["commands"] = previous["environment"].get(
             "commands", [previous["environment"]["command"]]) + [report["environment"]["command"]]
         report["models"] = {**previous.get("models", {}), **report["models"]}
@@ -614,19 +674,13 @@ def main(argv=None):
             brief = {k: v for k, v in row.items() if k not in ("ms_per_token_all", "decoded_tokens",
                                                                "full_forward_tokens")}
             print(json.dumps(brief), flush=True)
-            if report["environment"]["device"] is None and row.get("device"):
-                report["environment"]["device"] = row["device"]
-                if previous is not None:
-                    check_mergeable(previous, report, args.output)
         rows += result["rows"]
         # the JSON is written after every worker, so a run stopped part-way keeps what it measured (and a --merge
         # run can complete it); the plot once, at the end
-        write_report(report, rows, previous, args.output, with_plot=False)
-    if report["environment"]["device"] is None:  # no worker reported one
-        report["environment"]["device"] = device_name(args.device, args.threads)
-    write_report(report, rows, previous, args.output, with_plot=True)
+        write_report(report, rows, previous, output, with_plot=False)
+    write_report(report, rows, previous, output, with_plot=True)
     print_summary(report["summary"])
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    print(f"wrote {output} and {output.with_suffix('.png')}")
     return report
 
 
@@ -634,8 +688,7 @@ def write_report(report: dict, rows: list[dict], previous: dict | None, output: 
     report["rows"] = merged_rows(previous["rows"], rows) if previous is not None else list(rows)
     families = [impl for impl in report["models"] if impl not in (GPT2_STATIC, ZOO_STATIC)]
     report["summary"] = summarise(report["rows"], families, report["baseline"]["impl"])
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
+    write_whole(output, report, indent=2)
     if with_plot:
         plot(report, output.with_suffix(".png"))
 
@@ -693,4 +746,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

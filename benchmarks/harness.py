@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: device sync, peak-memory readings, median timing, and running a measurement
-in a fresh worker process (so one configuration's memory cannot inflate another's)."""
+"""What the benchmark scripts share: device sync, peak-memory readings, median timing, running a measurement in a
+fresh worker process (so one configuration's memory cannot inflate another's), and telling their own reports
+(benchmarks/owned_outputs.py) from other files."""
 
 from __future__ import annotations
 
@@ -66,6 +67,45 @@ def run_worker(script: str, args: list[str]) -> dict | None:
         print(f"worker {args} failed:\n{done.stderr[-1500:]}", file=sys.stderr)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cuda_device_name(device: str = "cuda") -> str:
+    """The name of a CUDA device, read in a child process: a benchmark that measures in worker processes needs it
+    before they start (its report's setup), and reading it here would give this process a CUDA context, GPU memory
+    the workers then cannot use."""
+    done = subprocess.run([sys.executable, "-c", f"import torch; print(torch.cuda.get_device_name({device!r}))"],
+                          capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+def report_check(*keys: str, benchmark: str, **equal):
+    """A report check (owned_outputs.require_keys(*keys, benchmark=benchmark)) that also wants each top-level key of
+    `equal` to hold that value: what tells an unmarked report of this benchmark (from before reports were marked)
+    from another benchmark's with the same keys (their "experiment" lines differ)."""
+    from owned_outputs import require_keys
+
+    has_keys = require_keys(*keys, *equal, benchmark=benchmark)
+
+    def validate(report: dict) -> None:
+        has_keys(report)
+        for key, value in equal.items():
+            if report[key] != value:
+                raise ValueError(f"its {key!r} is {report[key]!r}, not {value!r}")
+    return validate
+
+
+def setup_or_legacy(legacy):
+    """`setup_of` for owned_outputs.report_target: a marked report's "setup"; for an unmarked one (from before
+    reports were marked and stored their setup), the setup `legacy(report)` reads from what it stored, so that a
+    run of the same setup replaces the committed report."""
+    def setup_of(report: dict):
+        if "benchmark" in report:
+            return report.get("setup")
+        try:
+            return legacy(report)
+        except (KeyError, TypeError, ValueError, AttributeError):  # stored otherwise: a setup of its own, kept
+            return None
+    return setup_of
 
 
 def write_between_markers(path, start: str, end: str, body: str) -> None:

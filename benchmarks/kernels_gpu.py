@@ -15,7 +15,9 @@ Times: median of --repeats runs of the forward (under no_grad) and of forward + 
 output, the log-sum-exp included); peak memory: `torch.cuda.max_memory_allocated` during one run minus the memory in
 use before it (inputs), via benchmarks/harness.py. Ratios are against SDPA and against the PyTorch path of the same
 run. A configuration that fails (out of memory, an fla API this script does not know) is recorded with its error.
-Results: benchmarks/results/kernels_gpu_<device>.json and .png.
+Results: benchmarks/results/kernels_gpu_<device>.json and .png (`--output`), replaced only by a report of the same
+setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import timed_step_with_peak  # noqa: E402
+from harness import setup_or_legacy, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 HEADS, HEAD_DIM, FEATURES, CHUNK = 8, 64, 256, 64
@@ -39,6 +42,25 @@ LENGTHS = [4096, 8192, 16384, 32768, 65536]
 QUICK_LENGTHS = [4096, 16384]
 GPU_COMMAND = "python benchmarks/kernels_gpu.py [--quick]"
 DEVICE = "cuda"
+SCRIPT = "benchmarks/kernels_gpu"
+#: the suites each --ops value runs
+SUITES = {"linear": ["decayed linear attention"],
+          "windowed": ["windowed attention, local masks", "windowed attention, LSH masks"]}
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = require_keys("device", "benchmarks", "complete", benchmark="kernels_gpu")
+#: the setup's settings a report records at its top level
+RECORDED = ("device", "fla", "heads", "head_dim", "features", "chunk", "dtype", "repeats")
+
+
+def legacy_setup(report: dict) -> dict:
+    """The setup of a report from before reports stored theirs: its recorded settings, the ops of its suites and the
+    lengths they measured."""
+    ops = [op for op, suites in SUITES.items() if any(name in report["benchmarks"] for name in suites)]
+    lengths = [int(n) for n in dict.fromkeys(n for rows in report["benchmarks"].values() for n in rows)]
+    return {**{k: report[k] for k in RECORDED}, "ops": ops, "lengths": lengths}
+
+
+LEGACY_SETUP = setup_or_legacy(legacy_setup)
 
 
 def parse_args(argv=None):
@@ -318,8 +340,12 @@ def main(argv=None):
     if "windowed" in args.ops:
         suites += [("windowed attention, local masks", lambda n: windowed_steps("local", n)),
                    ("windowed attention, LSH masks", lambda n: windowed_steps("lsh", n))]
-    output = args.output or RESULTS / f"kernels_gpu_{device_tag(device)}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
+    setup = {**{k: results[k] for k in RECORDED}, "ops": [op for op in SUITES if op in args.ops],
+             "lengths": args.lengths}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output or RESULTS / f"kernels_gpu_{device_tag(device)}.json", setup, REPORT_CHECK,
+                           f"{SCRIPT}.py", flag="--output", setup_of=LEGACY_SETUP)
+    results = {"benchmark": "kernels_gpu", "setup": setup, **results}
     for name, build in suites:
         by_length = results["benchmarks"].setdefault(name, {})
         for length in args.lengths:
@@ -334,12 +360,12 @@ def main(argv=None):
             by_length[str(length)] = rows
             # Rewritten after every length: a run stopped at its time limit keeps what it measured (the first GPU
             # session's quick run lost everything to its limit).
-            output.write_text(json.dumps({**results, "complete": False}, indent=1))
-    output.write_text(json.dumps({**results, "complete": True}, indent=1))
+            write_report(output, {**results, "complete": False})
+    write_report(output, {**results, "complete": True})
     plot(results, output.with_suffix(".png"))
     print("\n".join(summary_lines(results)))
     print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -7,26 +7,36 @@ measures where the two cross on this machine, so that the setting rests on a mea
 
 One causal layer (hidden 128, 4 heads of 32, window 32 + 4 sinks, 2 rounds, chunks of 32: the long-context
 benchmark's layer, R x K = 64), forward and backward over a fixed number of tokens (batch = tokens / length), the
-median of `--repeats` runs. Results: benchmarks/results/lsh_far_paths.{json,png}.
+median of `--repeats` runs. Results: benchmarks/results/lsh_far_paths.{json,png} (`--output`), replaced only by a
+report of the same setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import timed_step_with_peak  # noqa: E402
+from harness import report_check, setup_or_legacy, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, write_report  # noqa: E402
 
 import attnzoo.modeling.attention.lsh_window as lsh_window  # noqa: E402
 from attnzoo import ZooReformerConfig  # noqa: E402
 from attnzoo.modeling.attention import build_attention  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/lsh_far_paths"
+EXPERIMENT = "separate-QK LSH far part, masked [L, L] scores vs gathered candidates"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = report_check("config", "seconds", "gathered_over_masked_time", benchmark="lsh_far_paths",
+                            experiment=EXPERIMENT)
+#: the setup of a report from before reports stored theirs: its config (every argument) but the output path
+LEGACY_SETUP = setup_or_legacy(lambda r: {**{k: v for k, v in r["config"].items() if k != "output"},
+                                          "device": r["device"]})
 #: DENSE_FAR_RATIO settings that force each form
 PATHS = {"masked_scores": 10**9, "gathered_candidates": 0}
 
@@ -86,6 +96,9 @@ def main(argv: list[str] | None = None):
     bad = [n for n in args.lengths if n < 1 or args.tokens % n]
     if bad:
         raise ValueError(f"--lengths {bad} must be positive and divide --tokens {args.tokens}.")
+    setup = {**{k: v for k, v in vars(args).items() if k != "output"}, "device": "cpu"}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output", setup_of=LEGACY_SETUP)
     if args.threads:
         torch.set_num_threads(args.threads)
     attn = layer(args)
@@ -98,17 +111,16 @@ def main(argv: list[str] | None = None):
     candidates = args.rounds * attn.far.recent_size
     ratio = {str(n): seconds["gathered_candidates"][str(n)] / seconds["masked_scores"][str(n)] for n in args.lengths}
     faster = [n for n in args.lengths if ratio[str(n)] > 1.0]
-    report = {"experiment": "separate-QK LSH far part, masked [L, L] scores vs gathered candidates",
-              "device": "cpu", "config": vars(args) | {"output": str(args.output)}, "seconds": seconds,
+    report = {"benchmark": "lsh_far_paths", "experiment": EXPERIMENT, "setup": setup,
+              "device": "cpu", "config": vars(args) | {"output": str(output)}, "seconds": seconds,
               "gathered_over_masked_time": ratio, "candidates_per_query": candidates,
               "dense_far_ratio": lsh_window.DENSE_FAR_RATIO,
               "longest_length_masked_is_faster": max(faster) if faster else None}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    plot(report, args.output.with_suffix(".png"))
+    write_report(output, report)
+    plot(report, output.with_suffix(".png"))
     print(f"gathered / masked time: {ratio}; the layer switches at L = {lsh_window.DENSE_FAR_RATIO * candidates}")
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

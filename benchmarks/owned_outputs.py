@@ -315,18 +315,22 @@ def read_report(path: Path, validate: Callable[[dict], None], label: str, flag: 
 
 
 def report_target(requested: Path, setup: dict, validate: Callable[[dict], None], label: str,
-                  flag: str = "--results", companions: tuple[str, ...] = (".png",)) -> Path:
+                  flag: str = "--results", companions: tuple[str, ...] = (".png",),
+                  setup_of: Callable[[dict], object] | None = None) -> Path:
     """Where this run's report goes, decided before anything is computed: `requested` when it is missing or holds
     this benchmark's report of the same setup (replaced); beside it (`beside`) when it holds one of another setup.
     A file that is not this benchmark's report is refused, and so is a companion file (the plot) with no report of
-    the benchmark's beside it."""
+    the benchmark's beside it. `setup_of` (optional) reads the setup of an earlier report (default: its "setup"):
+    a benchmark whose reports from before stored their setup under other names states it so, and its committed
+    report is replaced by a run of the same setup instead of gaining a copy beside it."""
     requested = Path(requested)
     for target in (requested, beside(requested, setup)):
         if target.exists():
             earlier = read_report(target, validate, label, flag, fix=f"It is left as it is and nothing was "
                                                                   f"written: name another {flag} (or move that file "
                                                                   "away)")
-            if earlier.get("setup") != as_recorded(setup):
+            stated = earlier.get("setup") if setup_of is None else setup_of(earlier)
+            if stated != as_recorded(setup):
                 continue  # the benchmark's report of another setup: kept, this one goes beside it
         for suffix in companions:
             companion = target.with_suffix(suffix)

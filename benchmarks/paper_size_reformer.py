@@ -35,7 +35,8 @@ as `"status": "oom"` with `"fits": false`; a model still running after `--worker
 Ratios (`summary`, per length): attnzoo's speed-up over each peer (their step time / ours) and its memory over
 theirs (below 1 is less).
 Results: benchmarks/results/paper_size_reformer_<device>.json (rewritten after every model, so a stopped run keeps
-its rows) and .png (`--output` elsewhere).
+its rows) and .png (`--output` elsewhere), replaced only by a report of the same setup (another setup's goes beside
+it; a file that is not this benchmark's report is refused: benchmarks/owned_outputs.py).
 
 Time on one H100/H200 at 64K (estimated, not yet measured): each model needs `--repeats` + 2 steps plus about
 10 s of start-up; the Reformers a few seconds a step, the checkpointed softmax model the most (about 10-30 s a step
@@ -59,10 +60,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import rss_peak_mib, run_worker, timed_step_with_peak  # noqa: E402
+from harness import cuda_device_name, rss_peak_mib, run_worker, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys  # noqa: E402
+from owned_outputs import write_report as write_whole  # noqa: E402
 from reformer_vs_transformers import axial_shape  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/paper_size_reformer"
 MODELS = ("attnzoo", "transformers", "softmax")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VOCAB, CHUNK, FFN_CHUNK, LEARNING_RATE = 256, 64, 2048, 1e-4
@@ -265,6 +269,13 @@ def summarise(rows: list[dict]) -> list[dict]:
     return summary
 
 
+def check_report(report: dict) -> None:
+    """What makes a results file this benchmark's report (decoding_speed.py's have the same top-level keys)."""
+    require_keys("environment", "settings", "models", "rows", benchmark="paper_size_reformer")(report)
+    if not isinstance(report["settings"], dict) or "num_hashes" not in report["settings"]:
+        raise ValueError("its 'settings' have no 'num_hashes' (a paper-size Reformer run's have)")
+
+
 def device_name(device: str, threads: int) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -288,8 +299,14 @@ def main(argv=None):
                 "optimizer": f"torch.optim.AdamW(lr={LEARNING_RATE})",
                 "axial_pos_embds_dim": axial_dims(args.hidden_size),
                 "axial_pos_shape": {length: list(axial_shape(length)) for length in args.lengths}}
+    device = cuda_device_name() if args.device == "cuda" else device_name(args.device, args.threads)
+    setup = {"device": device, "settings": settings, "lengths": args.lengths, "models": args.models}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, setup, check_report, f"{SCRIPT}.py", flag="--output")
     report = {
-        "environment": {"device": None, "torch": torch.__version__, "transformers": transformers.__version__,
+        "benchmark": "paper_size_reformer",
+        "setup": setup,
+        "environment": {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(),
                         "command": shlex.join(["python", "benchmarks/paper_size_reformer.py", *argv]),
                         "workers": "one per model and length"},
@@ -311,20 +328,17 @@ def main(argv=None):
                                 "killer)"}
             print(json.dumps(row), flush=True)
             report["rows"].append(row)
-            report["environment"]["device"] = report["environment"]["device"] or row.get("device")
-            write_report(report, args.output, with_plot=False)  # after every model: a stopped run keeps its rows
-    report["environment"]["device"] = report["environment"]["device"] or device_name(args.device, args.threads)
-    write_report(report, args.output, with_plot=True)
+            write_report(report, output, with_plot=False)  # after every model: a stopped run keeps its rows
+    write_report(report, output, with_plot=True)
     for entry in report["summary"]:
         print(json.dumps(entry))
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    print(f"wrote {output} and {output.with_suffix('.png')}")
     return report
 
 
 def write_report(report: dict, output: Path, with_plot: bool) -> None:
     report["summary"] = summarise(report["rows"])
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2))
+    write_whole(output, report, indent=2)
     if with_plot:
         plot(report, output.with_suffix(".png"))
 
@@ -372,4 +386,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -20,13 +20,14 @@ not run. Every cell not run says why.
 Writes the JSON given by --results (setup, per model: accuracy per length and depth, per-cell details, seconds per
 length, cells not run and why; the command) and, per model, a heatmap <results stem>_<model>.png beside it (depth x
 length, accuracy as colour, "n/a" where not run). With --model_card auto (the default), a local model folder's model
-card (README.md) gets the accuracy per length, as model-index results and a "Passkey retrieval" table.
+card (README.md) gets the accuracy per length, as model-index results and a "Passkey retrieval" table. The JSON and
+its heatmaps are replaced only by a report of the same setup (another setup's goes beside it, with its heatmaps; a
+file that is not this benchmark's report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
 import sys
@@ -41,8 +42,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from attnzoo.evaluation.passkey import FILLERS, SCORING, passkey_accuracy
 from attnzoo.training.model_card import add_eval_results, passkey_eval_results
 
+sys.path.insert(0, str(Path(__file__).parent))
+from owned_outputs import Refused, exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/passkey_retrieval"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = require_keys("setup", "models", "command", benchmark="passkey_retrieval")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,24 +125,26 @@ def evaluate(path: Path, args) -> dict:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     started = time.time()
-    report = {"setup": {"lengths": sorted(set(args.lengths)), "depths": args.depths, "trials": args.trials,
-                        "seed": args.seed, "batch_size": args.batch_size,
-                        "max_seconds_per_length": args.max_seconds_per_length, "digits": args.digits,
-                        "filler": args.filler, "task_description": args.task_description, "scoring": SCORING,
-                        "device": args.device, "dtype": args.dtype,
-                        "device_name": (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
-                                        else platform.processor() or platform.machine()),
-                        "torch": torch.__version__, "transformers": transformers.__version__},
-              "models": {}}
+    setup = {"models": [str(path) for path in args.model], "tokenizer": args.tokenizer,
+             "lengths": sorted(set(args.lengths)), "depths": args.depths, "trials": args.trials,
+             "seed": args.seed, "batch_size": args.batch_size, "max_seconds_per_length": args.max_seconds_per_length,
+             "digits": args.digits, "filler": args.filler, "task_description": args.task_description,
+             "scoring": SCORING, "device": args.device, "dtype": args.dtype,
+             "device_name": (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+                             else platform.processor() or platform.machine())}
+    # decided before evaluating: a file that is not this benchmark's report is refused with nothing run
+    results = results_target(args, setup)
+    report = {"benchmark": "passkey_retrieval", "setup": setup,
+              "environment": {"torch": torch.__version__, "transformers": transformers.__version__}, "models": {}}
     for name, path in zip(model_names(args.model), args.model, strict=True):
         print(f"{name} ({path}):", flush=True)
         report["models"][name] = evaluate(path, args)
     report["command"] = "python benchmarks/passkey_retrieval.py " + " ".join(
         str(a) for a in (argv if argv is not None else sys.argv[1:]))
     report["wall_seconds"] = round(time.time() - started, 1)
-    args.results.parent.mkdir(parents=True, exist_ok=True)
+    results.parent.mkdir(parents=True, exist_ok=True)
     for name, result in report["models"].items():
-        png = args.results.with_name(f"{args.results.stem}_{name}.png")
+        png = heatmap_path(results, name)
         plot(name, result, png)
         result["heatmap"] = relative(png)
     if args.model_card == "auto":
@@ -144,9 +153,26 @@ def main(argv=None) -> dict:
                 card = Path(path) / "README.md"
                 add_eval_results(card, passkey_eval_results(result["accuracy"], report["setup"]), name)
                 result["model_card"] = relative(card)
-    args.results.write_text(json.dumps(report, indent=2))
-    print(f"wrote {relative(args.results)}", flush=True)
+    write_report(results, report, indent=2)
+    print(f"wrote {relative(results)}", flush=True)
     return report
+
+
+def heatmap_path(results: Path, name: str) -> Path:
+    return results.with_name(f"{results.stem}_{name}.png")
+
+
+def results_target(args, setup: dict) -> Path:
+    """Where the report goes (owned_outputs.report_target); its heatmaps are drawn only beside a report of this
+    benchmark's, never over a picture with none beside it."""
+    target = report_target(args.results, setup, REPORT_CHECK, f"{SCRIPT}.py", companions=())
+    if not target.exists():
+        for png in (heatmap_path(target, name) for name in model_names(args.model)):
+            if png.exists():
+                raise Refused(f"{png} exists with no report of {SCRIPT}.py at {target} beside it; the benchmark would "
+                              "draw over it. It is left as it is and nothing was written: name another --results (or "
+                              "move that file away).")
+    return target
 
 
 def plot(name: str, result: dict, path: Path) -> None:
@@ -184,4 +210,4 @@ def plot(name: str, result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -15,7 +15,9 @@ Every configuration runs in a fresh worker process. Peak memory (benchmarks/harn
 `torch.cuda.max_memory_allocated` during a step minus the memory in use before it (parameters); on CPU, the growth
 of the process's peak RSS during the first step. Gradients are freed before each step, so both figures include
 activations and gradients, equally for both implementations. Times are the median of `--repeats` steps.
-Results: benchmarks/results/performer_speed_<device>.json, .png.
+Results: benchmarks/results/performer_speed_<device>.json, .png (`--output`), replaced only by a report of the same
+setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ import torch
 from attnzoo.transformers_compat import output_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import run_worker, sync, timed_step_with_peak  # noqa: E402
+from harness import cuda_device_name, run_worker, sync, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/performer_speed"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = require_keys("setup", "train", "decode", "summary", benchmark="performer_speed")
 HIDDEN, LAYERS, HEADS, FEATURES, VOCAB = 256, 4, 4, 256, 256
 
 
@@ -102,7 +108,7 @@ def worker_decode(impl: str, context: int, device: str, repeats: int) -> dict:
     return {"impl": impl, "context": context, "ms_per_token": 1000 * statistics.median(times)}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--train_lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -113,8 +119,10 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode_repeats", type=int, default=32)
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="default: benchmarks/results/performer_speed_<device>.json")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:
@@ -123,6 +131,13 @@ def main():
         print(json.dumps(fn(impl, int(size), device, int(repeats))))
         return
 
+    device_name = cuda_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    setup = {"device": device_name, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "features": FEATURES,
+             **{k: getattr(args, k) for k in ("train_lengths", "decode_contexts", "peer_max_length",
+                                              "softmax_max_context", "repeats", "decode_repeats", "threads")}}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    out = report_target(args.output or RESULTS / f"performer_speed_{args.device}.json", setup, REPORT_CHECK,
+                        f"{SCRIPT}.py", flag="--output")
     threads = ["--threads", str(args.threads)] if args.threads else []
     train, decode = [], []
     for length in args.train_lengths:
@@ -158,14 +173,11 @@ def main():
         summary[f"decode_speedup_vs_softmax_kv_{context}"] = soft[context] / perf[context]
     for key, value in summary.items():
         print(f"{key}: {value:.2f}")
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    setup = {"device": device_name, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "features": FEATURES,
-             "torch": torch.__version__}
-    out = RESULTS / f"performer_speed_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"setup": setup, "train": train, "decode": decode, "summary": summary}
-    out.write_text(json.dumps(result, indent=2))
+    result = {"benchmark": "performer_speed", "setup": setup, "torch": torch.__version__, "train": train,
+              "decode": decode, "summary": summary}
+    write_report(out, result, indent=2)
     plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -196,4 +208,4 @@ def plot(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -7,17 +7,28 @@ is downsampled by 2, 3 and 4 (box filter, as Downsampled-ImageNet is made), so p
 scales. Training patches come from the top 80% of each downsampled photo (random positions, half of them mirrored);
 validation patches from the bottom 20% (a grid), so no validation pixel was seen in training. The output is uint8
 [N, S, S, 3] arrays, train.npy and validation.npy, which scripts/train_lm.py reads with
-`--corpus imagenet64 --train_file .../train.npy --validation_file .../validation.npy --image_size S`.
+`--corpus imagenet64 --train_file .../train.npy --validation_file .../validation.npy --image_size S`, with
+info.json saying how they were made. Those three files are replaced only when the folder holds this script's patches
+of the same setup; patches of another setup, or files of those names it did not make, are refused with nothing
+written (the output-folder rule of benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from owned_outputs import Refused, exit_on_refusal  # noqa: E402
+
+SCRIPT = "benchmarks/prepare_photo_patches"
+OUTPUTS = ("train.npy", "validation.npy", "info.json")
+#: what info.json records of the setup (the training count is its train shape's first entry)
+INFO_SETUP = ("photos", "scales", "patch_size", "seed")
 TRAIN_FRACTION = 0.8  # of each photo's rows; the rest is validation
 SCALES = (2, 3, 4)
 
@@ -64,6 +75,24 @@ def cut_patches(photos: list[Path], patch: int, train_count: int, seed: int) -> 
     return np.stack(train), np.stack(validation)
 
 
+def check_output_dir(folder: Path, setup: dict) -> None:
+    """Before anything is cut: `folder` holds none of the files this script writes, or this script's patches of the
+    same setup (replaced); anything else is refused, naming the folder and the fix."""
+    found = [name for name in OUTPUTS if (folder / name).exists()]
+    if not found:
+        return
+    try:
+        info = json.loads((folder / "info.json").read_text())
+        earlier = {**{k: info[k] for k in INFO_SETUP}, "train_patches": info["train"][0]}
+    except (OSError, ValueError, TypeError, KeyError, IndexError):  # missing, not JSON, not this script's record
+        raise Refused(f"--output_dir {folder} holds {', '.join(found)}, which {SCRIPT}.py did not make (no info.json "
+                      "of its own beside them); they are left as they are and nothing was written. Pick another "
+                      "--output_dir (or move those files away).") from None
+    if earlier != json.loads(json.dumps(setup)):
+        raise Refused(f"--output_dir {folder} holds patches of another setup ({earlier}, this run: {setup}); they are "
+                      "left as they are and nothing was written. Pick another --output_dir (or move them away).")
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output_dir", type=Path, default=Path("data/photo_patches"))
@@ -76,6 +105,9 @@ def main(argv: list[str] | None = None):
     missing = [str(x) for x in photos if not x.is_file()]
     if missing:
         raise ValueError(f"photos not found: {missing}")
+    check_output_dir(args.output_dir, {"photos": [x.name for x in photos], "scales": SCALES,
+                                       "patch_size": args.patch_size, "seed": args.seed,
+                                       "train_patches": args.train_patches})
     train, validation = cut_patches(photos, args.patch_size, args.train_patches, args.seed)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     np.save(args.output_dir / "train.npy", train)
@@ -87,4 +119,4 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -8,8 +8,9 @@ Set-up (the paper's appendix H.5 and Table 6): an 8-layer encoder, hidden 192, 3
 (Performer) and 16 samples (LARA), lengths 1K-8K. The paper does not state the FFN width or RA's sample count:
 here FFN 768 (4x hidden) and one sample. One forward + backward of the encoder on random inputs (`inputs_embeds`,
 batch `--batch`). Every configuration runs in its own worker process; see benchmarks/harness.py for how time
-(median) and peak memory are read. Results: benchmarks/results/randomized_efficiency_<device>.json/.png,
-with every figure also given as a ratio to softmax at the same length.
+(median) and peak memory are read. Results: benchmarks/results/randomized_efficiency_<device>.json/.png (`--output`),
+with every figure also given as a ratio to softmax at the same length; replaced only by a report of the same setup
+(another setup's goes beside it; a file that is not this benchmark's report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import run_worker, timed_step_with_peak  # noqa: E402
+from harness import cuda_device_name, run_worker, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/randomized_efficiency"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = require_keys("setup", "rows", "summary", benchmark="randomized_efficiency")
 IMPLS = {
     "softmax": ("attnzoo_softmax", {}),
     "performer": ("attnzoo_performer", {"num_random_features": 16}),
@@ -54,20 +59,28 @@ def worker(impl: str, length: int, device: str, batch: int, repeats: int) -> dic
     return {"impl": impl, "length": length, "ms": 1000 * seconds, "peak_MiB": peak}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096, 8192])
     p.add_argument("--impls", nargs="+", default=list(IMPLS))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", type=Path, default=None,
+                   help="default: benchmarks/results/randomized_efficiency_<device>.json")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         impl, length, device, batch, repeats = args.worker
         print(json.dumps(worker(impl, int(length), device, int(batch), int(repeats))))
         return
 
+    device = cuda_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    setup = {"device": device, "batch": args.batch, "layers": 8, "hidden": 192, "heads": 3, "samples": 16,
+             "lengths": args.lengths, "impls": args.impls, "repeats": args.repeats}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    out = report_target(args.output or RESULTS / f"randomized_efficiency_{args.device}.json", setup, REPORT_CHECK,
+                        f"{SCRIPT}.py", flag="--output")
     rows = []
     for length in args.lengths:
         for impl in args.impls:
@@ -91,13 +104,11 @@ def main():
             summary[f"lara_vs_softmax_time_{length}"] = lara["ms"] / soft["ms"]
     for key, value in summary.items():
         print(f"{key}: {value:.2f}")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    result = {"setup": {"device": device, "batch": args.batch, "layers": 8, "hidden": 192, "heads": 3,
-                        "samples": 16, "torch": torch.__version__}, "rows": rows, "summary": summary}
-    out = RESULTS / f"randomized_efficiency_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    result = {"benchmark": "randomized_efficiency", "setup": setup, "torch": torch.__version__, "rows": rows,
+              "summary": summary}
+    write_report(out, result, indent=2)
     plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -123,4 +134,4 @@ def plot(result: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -8,26 +8,34 @@ Every point runs the same number of tokens (batch = total_tokens / length) throu
 O(L^2) baseline), "lsh-N" is the Reformer's LSH attention with N hash rounds and chunks of 64. The paper times
 attention evaluation (a forward pass); `--backward` adds the backward pass. Time is the median of `--repeats` runs,
 one thread by default so the machine's other work moves every point alike. Full attention's time per token grows
-with the length; LSH's should stay flat. Results: benchmarks/results/reformer_attention_speed.{json,png}.
+with the length; LSH's should stay flat. Results: benchmarks/results/reformer_attention_speed.{json,png} (`--output`),
+replaced only by a report of the same setup (another setup's goes beside it; a file that is not this benchmark's
+report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import timed_step_with_peak  # noqa: E402
+from harness import report_check, setup_or_legacy, timed_step_with_peak  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, write_report  # noqa: E402
 
 from attnzoo import ZooReformerConfig  # noqa: E402
 from attnzoo.modeling.attention import ATTENTION_REGISTRY  # noqa: E402
 from attnzoo.training.recipes import parse_with_recipe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/reformer_attention_speed"
+EXPERIMENT = "Reformer (arXiv 2001.04451) Figure 5, right (attention speed, fixed total tokens)"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = report_check("config", "seconds", "device", benchmark="reformer_attention_speed", experiment=EXPERIMENT)
+#: the setup of a report from before reports stored theirs: its config (every argument but the paths) and device
+LEGACY_SETUP = setup_or_legacy(lambda r: {**r["config"], "device": r["device"]})
 
 
 def attention_layer(kind: str, args) -> torch.nn.Module:
@@ -96,6 +104,10 @@ def main(argv: list[str] | None = None):
     bad = [n for n in args.lengths if args.total_tokens % n]
     if bad:
         raise ValueError(f"lengths {bad} do not divide --total_tokens {args.total_tokens}; use powers of two up to it.")
+    config = {k: v for k, v in vars(args).items() if k not in {"output", "recipe", "device"}}
+    setup = {**config, "device": args.device}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output", setup_of=LEGACY_SETUP)
     if args.threads:
         torch.set_num_threads(args.threads)
     seconds = {kind: {} for kind in args.attentions}
@@ -106,16 +118,14 @@ def main(argv: list[str] | None = None):
                   f"{seconds[kind][str(length)] * 1000:9.1f} ms", flush=True)
     first, last = str(args.lengths[0]), str(args.lengths[-1])
     growth = {kind: points[last] / points[first] for kind, points in seconds.items()}
-    config = {k: v for k, v in vars(args).items() if k not in {"output", "recipe", "device"}}
-    report = {"experiment": "Reformer (arXiv 2001.04451) Figure 5, right (attention speed, fixed total tokens)",
+    report = {"benchmark": "reformer_attention_speed", "experiment": EXPERIMENT, "setup": setup,
               "device": args.device, "config": config, "seconds": seconds,
               f"time_at_{last}_over_time_at_{first}": growth}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    plot(report, args.output.with_suffix(".png"))
+    write_report(output, report)
+    plot(report, output.with_suffix(".png"))
     print(f"time at length {last} / time at length {first}: " + ", ".join(f"{k} {v:.2f}x" for k, v in growth.items()))
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -13,7 +13,9 @@ attention needs shared QK to be swapped in at evaluation.
 
 Scale (recipe): |w| = 127 (length 256 instead of 1024) with chunks of 16, so a sequence holds 16 chunks and 32
 buckets, as the paper's 1024 tokens with chunks of 64 do; a few thousand steps instead of 150K. Settings train in
-parallel worker processes (`--jobs`), one thread each. Results: benchmarks/results/reformer_duplication.{json,png}.
+parallel worker processes (`--jobs`), one thread each. Results: benchmarks/results/reformer_duplication.{json,png}
+(`--output`), replaced only by a report of the same setup (another setup's goes beside it; a file that is not this
+benchmark's report is refused: benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -29,11 +31,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import run_worker  # noqa: E402
+from harness import report_check, run_worker, setup_or_legacy  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, write_report  # noqa: E402
 
 from attnzoo.training.recipes import parse_with_recipe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/reformer_duplication"
+EXPERIMENT = "Reformer (arXiv 2001.04451) Table 2 (duplication task)"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = report_check("config", "results", "eval_settings", benchmark="reformer_duplication",
+                            experiment=EXPERIMENT)
+#: the setup of a report from before reports stored theirs: its config (every argument but the paths and --jobs)
+LEGACY_SETUP = setup_or_legacy(lambda r: r["config"])
 PAPER_TABLE_2 = {  # Reformer (arXiv 2001.04451), Table 2: train setting -> {eval setting: accuracy %}
     "full": {"full": 100.0, "lsh8": 94.8, "lsh4": 92.5, "lsh2": 76.9, "lsh1": 52.5},
     "lsh4": {"full": 0.8, "lsh8": 100.0, "lsh4": 99.9, "lsh2": 99.4, "lsh1": 91.9},
@@ -187,19 +197,20 @@ def main(argv: list[str] | None = None):
     if args.worker is not None:
         print(json.dumps(train_worker(args, args.worker)))
         return
+    config = {k: v for k, v in vars(args).items() if k not in {"worker", "output", "recipe", "jobs"}}
+    # decided before training: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, config, REPORT_CHECK, f"{SCRIPT}.py", flag="--output", setup_of=LEGACY_SETUP)
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         done = list(pool.map(lambda s: run_worker(__file__, [s, *forwarded]), args.train_settings))
     failed = [s for s, r in zip(args.train_settings, done, strict=True) if r is None]
     if failed:
         raise SystemExit(f"training failed for {failed} (see the worker errors above)")
-    config = {k: v for k, v in vars(args).items() if k not in {"worker", "output", "recipe", "jobs"}}
-    report = {"experiment": "Reformer (arXiv 2001.04451) Table 2 (duplication task)", "config": config,
+    report = {"benchmark": "reformer_duplication", "experiment": EXPERIMENT, "setup": config, "config": config,
               "train_settings": args.train_settings, "eval_settings": args.eval_settings,
               "results": {r["train"]: r for r in done}, "paper_table_2": PAPER_TABLE_2}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=1))
-    plot(report, args.output.with_suffix(".png"))
+    write_report(output, report)
+    plot(report, output.with_suffix(".png"))
     header = "train \\ eval".ljust(14) + "".join(e.rjust(16) for e in args.eval_settings)
     print(header)
     for t in args.train_settings:
@@ -208,8 +219,8 @@ def main(argv: list[str] | None = None):
         print(t.ljust(14) + "".join(f"{row[e]['accuracy']:7.1f} ({paper.get(e, math.nan):5.1f})".rjust(16)
                                     for e in args.eval_settings))
     print("(this run's accuracy %, the Reformer paper's in brackets)")
-    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+    print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

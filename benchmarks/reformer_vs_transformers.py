@@ -30,7 +30,9 @@ Measures
   decoding rate without it (new tokens / (generate time - prefill time)).
 Ratios are ours / theirs: below 1 is better for time and memory, above 1 is better for tokens/s.
 
-Results: benchmarks/results/reformer_vs_transformers.json and .png.
+Results: benchmarks/results/reformer_vs_transformers.json and .png (`--output`), replaced only by a report of the same
+setup (another setup's goes beside it; a file that is not this benchmark's report is refused:
+benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from harness import step_seconds, sync  # noqa: E402
+from harness import cuda_device_name, step_seconds, sync  # noqa: E402
+from owned_outputs import exit_on_refusal, report_target, require_keys, write_report  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/reformer_vs_transformers"
+#: what makes a results file this benchmark's report (the committed ones, from before reports were marked, too)
+REPORT_CHECK = require_keys("train", "generation", "summary", benchmark="reformer_vs_transformers")
 ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("attnzoo", "transformers", "softmax")
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, CHUNK, HASHES = 256, 256, 4, 6, 1024, 64, 2
@@ -255,7 +261,7 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
@@ -268,7 +274,7 @@ def main():
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     parser.add_argument("--output", type=Path, default=RESULTS / "reformer_vs_transformers.json")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.worker:
         import torch
@@ -286,6 +292,16 @@ def main():
     import torch
     import transformers
 
+    threads = args.threads or torch.get_num_threads()
+    device_name = (cuda_device_name(args.device) if args.device.startswith("cuda")
+                   else f"{platform.machine()}, {threads} of {os.cpu_count()} threads")
+    settings = {"lengths": args.lengths, "repeats": args.repeats, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "chunk": CHUNK, "hashes": HASHES,
+                "vocab": VOCAB, "batch": 1}
+    setup = {**settings, "softmax_max_length": args.softmax_max_length, "skip_generation": args.skip_generation,
+             "device": f"{args.device} ({device_name})"}
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = report_target(args.output, setup, REPORT_CHECK, f"{SCRIPT}.py", flag="--output")
     common = ["--threads", str(args.threads)] if args.threads else []
     train, generation = [], []
     for length in args.lengths:
@@ -304,13 +320,10 @@ def main():
             result = run_worker(["generate", impl, args.device, str(args.prompt), str(args.new_tokens)] + common)
             print(json.dumps(result), flush=True)
             generation.append(result)
-    threads = args.threads or torch.get_num_threads()
-    device_name = (torch.cuda.get_device_name() if args.device.startswith("cuda")
-                   else f"{platform.machine()}, {threads} of {os.cpu_count()} threads")
     report = {
-        "settings": {"lengths": args.lengths, "repeats": args.repeats, "prompt": args.prompt,
-                     "new_tokens": args.new_tokens, "layers": LAYERS, "hidden": HIDDEN, "heads": HEADS,
-                     "ffn": FFN, "chunk": CHUNK, "hashes": HASHES, "vocab": VOCAB, "batch": 1},
+        "benchmark": "reformer_vs_transformers",
+        "setup": setup,
+        "settings": settings,
         "environment": {"device": f"{args.device} ({device_name})", "torch": torch.__version__,
                         "transformers": transformers.__version__, "threads": threads,
                         "python": platform.python_version()},
@@ -318,11 +331,11 @@ def main():
         "generation": generation,
     }
     report["summary"] = summarise(train, generation)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
-    plot(report, args.output.with_suffix(".png"))
+    write_report(output, report, indent=2)
+    plot(report, output.with_suffix(".png"))
     print(json.dumps(report["summary"], indent=2))
+    print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -12,21 +12,79 @@ Two measures, both activations only:
   part of the subtracted baseline; there is no optimizer. This figure includes the reversible backward's
   recomputation of one layer at a time, which the saved-bytes figure cannot see.
 
-Results go to benchmarks/results/reversible_memory.json and .png.
+Results go to benchmarks/results/reversible_memory.json and .png (`--output`): one section per run, "cpu" or "cuda"
+(with --cuda), the other section kept. A section is replaced only by a run of the same setup; a run of another setup
+goes into a report beside it, and a file that is not this benchmark's report is refused (benchmarks/owned_outputs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-import attnzoo  # noqa: F401
-from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM
+sys.path.insert(0, str(Path(__file__).parent))
+from owned_outputs import (  # noqa: E402
+    Refused,
+    as_recorded,
+    beside,
+    exit_on_refusal,
+    read_report,
+    require_keys,
+    write_report,
+)
+
+import attnzoo  # noqa: F401, E402
+from attnzoo import ZooSoftmaxConfig, ZooSoftmaxForCausalLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/reversible_memory"
+SECTIONS = ("cpu", "cuda")
+#: what a section of the report holds
+SECTION_CHECK = require_keys("setup", "rows", "summary")
+
+
+def check_report(report: dict) -> None:
+    """What makes a results file this benchmark's report (the committed one, from before reports were marked, too):
+    a "cpu" and/or a "cuda" section, each with its setup, rows and summary."""
+    require_keys(benchmark="reversible_memory")(report)
+    sections = [key for key in report if key != "benchmark"]
+    if not sections or any(key not in SECTIONS for key in sections):
+        raise ValueError(f"it holds {', '.join(map(repr, sections)) or 'nothing'} (a report has a 'cpu' and/or a "
+                         "'cuda' section)")
+    for key in sections:
+        if not isinstance(report[key], dict):
+            raise ValueError(f"its {key!r} section is not an object")
+        SECTION_CHECK(report[key])
+
+
+def section_setup(section: dict) -> dict:
+    """A section's setup; one from before setups named the depths takes them from its rows."""
+    return {"depths": list(dict.fromkeys(row["depth"] for row in section["rows"])), **section["setup"]}
+
+
+def results_target(requested: Path, key: str, setup: dict) -> Path:
+    """Where this run's section goes, decided before anything is measured: `requested` when it is missing, or holds
+    this benchmark's report with no such section or one of the same setup (the other section is kept); beside it
+    when it holds one of another setup. A file that is not this benchmark's report is refused, and so is a plot with
+    no report beside it."""
+    for target in (requested, beside(requested, {key: setup})):
+        if not target.exists():
+            if target.with_suffix(".png").exists():
+                raise Refused(f"{target.with_suffix('.png')} exists with no report of {SCRIPT}.py at {target} beside "
+                              "it; the benchmark would draw over it. It is left as it is and nothing was written: "
+                              "name another --output (or move that file away).")
+            return target
+        earlier = read_report(target, check_report, f"{SCRIPT}.py", "--output",
+                              fix="It is left as it is and nothing was written: name another --output (or move that "
+                                  "file away)")
+        if key not in earlier or section_setup(earlier[key]) == as_recorded(setup):
+            return target
+    raise Refused(f"{requested} and {beside(requested, {key: setup})} both hold {key} sections of {SCRIPT}.py with "
+                  "other setups; nothing was written: name another --output.")
 
 
 def make_model(depth: int, reversible: bool, args) -> ZooSoftmaxForCausalLM:
@@ -67,7 +125,7 @@ def cuda_peak_bytes(model, ids) -> int:
     return torch.cuda.max_memory_allocated() - baseline
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 6, 12, 24])
     parser.add_argument("--hidden", type=int, default=256)
@@ -78,7 +136,12 @@ def main():
     parser.add_argument("--cuda_length", type=int, default=4096)
     parser.add_argument("--cuda_batch", type=int, default=8)
     parser.add_argument("--output", type=Path, default=RESULTS / "reversible_memory.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    setup = {k: getattr(args, k) for k in ("depths", "hidden", "heads", "length", "batch", "cuda_length", "cuda_batch")}
+    setup["device"] = torch.cuda.get_device_name() if args.cuda else "cpu"
+    section = "cuda" if args.cuda else "cpu"
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    output = results_target(args.output, section, setup)
 
     rows = []
     for depth in args.depths:
@@ -106,14 +169,12 @@ def main():
                 summary[f"{stack}_{measure}_ratio_{hi}_vs_{lo}_layers"] = values[hi] / values[lo]
     for key, value in summary.items():
         print(f"{key}: {value:.3f}")
-    setup = {k: getattr(args, k) for k in ("hidden", "heads", "length", "batch", "cuda_length", "cuda_batch")}
-    setup["device"] = torch.cuda.get_device_name() if args.cuda else "cpu"
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    existing = json.loads(args.output.read_text()) if args.output.exists() else {}
-    key = "cuda" if args.cuda else "cpu"
-    existing[key] = {"setup": setup, "rows": rows, "summary": summary}
-    args.output.write_text(json.dumps(existing, indent=2))
-    plot(existing, args.output.with_suffix(".png"))
+    # the other section, as the file holds it now (results_target checked it is this benchmark's report)
+    existing = json.loads(output.read_text()) if output.exists() else {}
+    existing.update({"benchmark": "reversible_memory", section: {"setup": setup, "rows": rows, "summary": summary}})
+    write_report(output, existing, indent=2)
+    plot(existing, output.with_suffix(".png"))
+    print(f"wrote the {section} section of {output} and {output.with_suffix('.png')}")
 
 
 def plot(results: dict, path: Path) -> None:
@@ -145,4 +206,4 @@ def plot(results: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

@@ -13,9 +13,10 @@ SDPA as the sequence grows (its crossover length), and what RA spends its time o
    crossover of an attention is the shortest length at which its step takes less time than SDPA's.
 3. RA's profile at the classifier's size: the operators with the most self time (torch.profiler).
 Times are medians of `--repeats` steps after a warm-up; ratios are against SDPA in the same run.
-Results: benchmarks/results/short_sequence_speed_<device>.json and .png. A full run (not `--tiny`, default
-`--results`) also rewrites README.md's crossover table from every device's results file; `--readme_only` does just
-that.
+Results: benchmarks/results/short_sequence_speed_<device>.json and .png (`--results`), replaced only by a report of
+the same setup (another setup's, a `--tiny` run's say, goes beside it; a file that is not this benchmark's report is
+refused: benchmarks/owned_outputs.py). A full run (not `--tiny`) whose report replaces the committed one also rewrites
+README.md's crossover table from every device's committed results file; `--readme_only` does just that.
 """
 
 from __future__ import annotations
@@ -32,9 +33,23 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import step_seconds, sync, write_between_markers  # noqa: E402
+from harness import setup_or_legacy, step_seconds, sync, write_between_markers  # noqa: E402
+from owned_outputs import (  # noqa: E402
+    exit_on_refusal,
+    publishes_tables,
+    read_report,
+    report_target,
+    require_keys,
+    write_report,
+)
 
 RESULTS = Path(__file__).parent / "results"
+SCRIPT = "benchmarks/short_sequence_speed"
+#: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
+REPORT_CHECK = require_keys("setup", "classifier_step_seconds", "crossover_length", benchmark="short_sequence_speed")
+#: the setup of a report from before reports were marked: its setup less the paths and library versions it also held
+LEGACY_SETUP = setup_or_legacy(lambda r: {k: v for k, v in r["setup"].items()
+                                          if k not in ("results", "readme_only", "torch", "transformers")})
 README = Path(__file__).resolve().parent.parent / "README.md"
 TABLE_START, TABLE_END = "<!-- crossover table: start -->", "<!-- crossover table: end -->"
 DEVICE_NAMES = {"cpu": "CPU", "cuda": "GPU"}
@@ -137,10 +152,16 @@ def ra_profile(args, top: int = 8) -> list[dict]:
              "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in events[:top]]
 
 
+def committed_path(device: str) -> Path:
+    return RESULTS / f"short_sequence_speed_{device}.json"
+
+
 def committed_reports() -> dict[str, dict]:
-    """{device: report} of the results files in benchmarks/results (cpu first)."""
-    return {device: json.loads(path.read_text()) for device in DEVICE_NAMES
-            if (path := RESULTS / f"short_sequence_speed_{device}.json").exists()}
+    """{device: report} of the results files in benchmarks/results (cpu first), each checked to be this benchmark's
+    report (a file that is not is named, and nothing is written)."""
+    return {device: read_report(path, REPORT_CHECK, f"{SCRIPT}.py", flag="committed results file",
+                                fix="Nothing was written; restore it (git checkout) or rerun the benchmark")
+            for device in DEVICE_NAMES if (path := committed_path(device)).exists()}
 
 
 def crossover_table(reports: dict[str, dict]) -> str:
@@ -186,6 +207,17 @@ def main(argv=None) -> dict:
         args.length, args.batch, args.crossover_lengths, args.tokens_per_step, args.repeats = 33, 2, [32, 64], 128, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    setup = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k not in ("results", "readme_only")},
+             "attention_settings": {n: {"family": ATTENTIONS[n][0], "settings": ATTENTIONS[n][1]}
+                                    for n in args.attentions},
+             "device_name": (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+                             else platform.processor() or platform.machine()),
+             "threads": torch.get_num_threads()}
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    # decided before measuring: a file that is not this benchmark's report is refused with nothing run
+    results = report_target(args.results or committed_path(device), setup, REPORT_CHECK, f"{SCRIPT}.py",
+                            setup_of=LEGACY_SETUP)
     started = time.time()
     classifier = {name: step_time(name, args, args.length, args.batch) for name in args.attentions}
     sweep = {}
@@ -202,13 +234,9 @@ def main(argv=None) -> dict:
         faster = [int(n) for n, times in sweep.items() if times[name] < times[baseline]]
         crossover[name] = min(faster) if faster else None
     report = {
-        "setup": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                  "attention_settings": {n: {"family": ATTENTIONS[n][0], "settings": ATTENTIONS[n][1]}
-                                         for n in args.attentions},
-                  "device_name": (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
-                                  else platform.processor() or platform.machine()),
-                  "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "transformers": transformers.__version__},
+        "benchmark": "short_sequence_speed",
+        "setup": setup,
+        "environment": {"torch": torch.__version__, "transformers": transformers.__version__},
         "classifier_step_seconds": classifier, "classifier_ratio_to_sdpa": ratios,
         "sweep_step_seconds": sweep,
         "sweep_ratio_to_sdpa": {n: {a: t / times[baseline] for a, t in times.items()} for n, times in sweep.items()}
@@ -219,13 +247,12 @@ def main(argv=None) -> dict:
             str(a) for a in (argv if argv is not None else sys.argv[1:])),
     }
     report["wall_seconds"] = round(time.time() - started, 1)
-    device = "cuda" if args.device.startswith("cuda") else "cpu"
-    results = args.results or RESULTS / f"short_sequence_speed_{device}.json"
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(report, indent=2))
+    write_report(results, report, indent=2)
     plot(report, results.with_suffix(".png"))
     print(json.dumps({k: report[k] for k in ("classifier_ratio_to_sdpa", "crossover_length")}, indent=2))
-    if not args.tiny and args.results is None and set(args.attentions) == set(ATTENTIONS):  # the committed run
+    print(f"wrote {results} and {results.with_suffix('.png')}")
+    # README shows the committed reports: rewritten only when this run's report is one of them
+    if not args.tiny and publishes_tables(results, committed_path(device)) and set(args.attentions) == set(ATTENTIONS):
         update_readme(committed_reports())
     return report
 
@@ -263,4 +290,4 @@ def plot(report: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_refusal(main, f"{SCRIPT}.py")

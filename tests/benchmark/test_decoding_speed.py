@@ -13,6 +13,13 @@ from tests.scripts_helpers import ROOT, load_module
 decoding = load_module(ROOT / "benchmarks", "decoding_speed")
 
 
+def decoding_owned():
+    """benchmarks/owned_outputs.py as decoding_speed.py imported it (its Refused)."""
+    import owned_outputs
+
+    return owned_outputs
+
+
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("decoding") / "decoding_speed_cpu.json"
@@ -151,8 +158,9 @@ def test_bad_arguments_name_the_flag(argv, flag):
         decoding.parse_args(argv)
 
 
-def test_the_docs_table_is_written_from_a_results_file(tiny_report, tmp_path):
-    """docs/benchmarks.md's decoding table comes from a results file (`--docs_only`), never typed in."""
+def test_the_docs_table_is_written_from_a_results_file(tiny_report, tmp_path, monkeypatch):
+    """docs/benchmarks.md's decoding table comes from a results file (`--docs_only`), never typed in: the committed
+    one (here the tiny report, standing in for it), and no other."""
     report, out = tiny_report
     table = decoding.decoding_table(report)
     lines = table.splitlines()
@@ -163,7 +171,15 @@ def test_the_docs_table_is_written_from_a_results_file(tiny_report, tmp_path):
     assert f"{row['ms_per_token']:.2f}" in performer.split(" | ")
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"before\n{decoding.TABLE_START}\nold\n{decoding.TABLE_END}\nafter\n")
+    copy = tmp_path / "copy.json"
+    copy.write_text(out.read_text())
+    decoding.main(["--docs_only", "--output", str(copy), "--docs", str(docs)])  # not the committed report: left
+    assert "\nold\n" in docs.read_text()
+    monkeypatch.setattr(decoding, "RESULTS", out.parent)  # out: decoding_speed_cpu.json, the committed name
     decoding.main(["--docs_only", "--output", str(out), "--docs", str(docs)])
     assert docs.read_text() == f"before\n{decoding.TABLE_START}\n{table}\n{decoding.TABLE_END}\nafter\n"
+    copy.write_text('{"my": "table"}')
+    with pytest.raises(decoding_owned().Refused, match=f"--output {copy} is not a report of "):
+        decoding.main(["--docs_only", "--output", str(copy), "--docs", str(docs)])
     with pytest.raises(ValueError, match="--docs_only"):
         decoding.main(["--docs_only", "--tiny"])

@@ -54,10 +54,11 @@ from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 #: (query, candidate) pairs whose keys and values separate-QK LSH gathers at once (about 0.5 GB at head width 64)
 FAR_BLOCK_SLOTS = 1 << 20
 #: separate-QK LSH scores every earlier key and masks all but the candidates (one [L, L] softmax) while the length is
-#: at most this many times a query's R * K candidates: at training lengths that is several times faster on the CPU
-#: than gathering each query's candidates (the same keys and logits; `benchmarks/lsh_far_paths.py` measures where the
-#: two cross), and past it the gather's O(L * R * K) memory wins.
-DENSE_FAR_RATIO = 8
+#: at most this many times a query's R * K candidates: at short lengths that is faster on the CPU than gathering each
+#: query's candidates (the same keys and logits; `benchmarks/lsh_far_paths.py` measures where the two cross: at
+#: 4 x R x K for the long-context benchmark's training layer, and between 4 and 8 x R x K for a SmolLM2-shaped
+#: layer's forward), and past it the gather's O(L * R * K) memory wins.
+DENSE_FAR_RATIO = 4
 
 
 @dataclass

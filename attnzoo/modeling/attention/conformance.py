@@ -44,7 +44,7 @@ TOLERANCE = dict(rtol=1e-9, atol=1e-11)
 
 
 def conformance_config(kind: str, **settings):
-    from attnzoo import ZooHybridConfig
+    from attnzoo.configuration.hybrid import ZooHybridConfig
 
     return ZooHybridConfig(**{**SMALL, **settings, "attn_layers": [kind]})
 
@@ -58,7 +58,7 @@ def _layer(kind, settings):
 
 
 def _model(kind, settings):
-    from attnzoo import ZooHybridForCausalLM
+    from attnzoo.modeling.modeling_hybrid import ZooHybridForCausalLM
 
     torch.manual_seed(0)
     return ZooHybridForCausalLM(conformance_config(kind, **settings)).double().eval()

@@ -1,7 +1,8 @@
-"""The two forms of separate-QK LSH's far part in an `lsh_window` layer, timed against each other: every earlier key
-scored and all but the candidates masked (one [L, L] softmax), or each query's R x K candidates gathered. They give
-the same values; the layer picks the masked form while the length is at most `DENSE_FAR_RATIO` x R x K. This
-measures where the two cross on this machine, so that the setting rests on a measurement.
+"""Separate-QK LSH's far part in an `lsh_window` layer, its fast form against its dense reference, forward and
+backward: the sorted blocks the layer runs (queries laid out by where their candidates end among each round's
+(bucket, position)-sorted keys, each block scoring one span of K + 32 keys; docs/lsh_attention.md, §7) against the
+layer's `reference_forward` (every earlier key scored and all but the candidates masked, one [L, L] softmax, the
+form the layer ran at training lengths until the blocks beat it at every length). Both give the same values.
 
     python benchmarks/lsh_far_paths.py          # about a minute on 2 CPU cores
 
@@ -30,15 +31,15 @@ from attnzoo.modeling.attention import build_attention  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SCRIPT = "benchmarks/lsh_far_paths"
-EXPERIMENT = "separate-QK LSH far part, masked [L, L] scores vs gathered candidates"
+EXPERIMENT = "separate-QK LSH far part, sorted blocks vs the dense masked reference"
 #: what makes a results file this benchmark's report (the committed one, from before reports were marked, too)
-REPORT_CHECK = report_check("config", "seconds", "gathered_over_masked_time", benchmark="lsh_far_paths",
+REPORT_CHECK = report_check("config", "seconds", "blocks_over_reference_time", benchmark="lsh_far_paths",
                             experiment=EXPERIMENT)
 #: the setup of a report from before reports stored theirs: its config (every argument) but the output path
 LEGACY_SETUP = setup_or_legacy(lambda r: {**{k: v for k, v in r["config"].items() if k != "output"},
                                           "device": r["device"]})
-#: DENSE_FAR_RATIO settings that force each form
-PATHS = {"masked_scores": 10**9, "gathered_candidates": 0}
+#: the forms timed: the layer's forward, and its dense reference
+PATHS = ("sorted_blocks", "reference")
 
 
 def layer(args) -> torch.nn.Module:
@@ -52,12 +53,8 @@ def layer(args) -> torch.nn.Module:
 def measure(attn, path: str, length: int, args) -> float:
     torch.manual_seed(0)
     hidden = torch.randn(args.tokens // length, length, 128, requires_grad=True)
-    saved = lsh_window.DENSE_FAR_RATIO
-    lsh_window.DENSE_FAR_RATIO = PATHS[path]
-    try:
-        seconds, _ = timed_step_with_peak(lambda: attn(hidden).sum().backward(), "cpu", args.repeats)
-    finally:
-        lsh_window.DENSE_FAR_RATIO = saved
+    forward = attn if path == "sorted_blocks" else attn.reference_forward
+    seconds, _ = timed_step_with_peak(lambda: forward(hidden).sum().backward(), "cpu", args.repeats)
     return seconds
 
 
@@ -71,13 +68,11 @@ def plot(report: dict, path: Path) -> None:
     for name, points in report["seconds"].items():
         lengths = sorted(int(n) for n in points)
         ax.plot(lengths, [points[str(n)] for n in lengths], marker="o", label=name)
-    limit = report["dense_far_ratio"] * report["candidates_per_query"]
-    ax.axvline(limit, color="grey", linestyle=":", label=f"layer's switch (L = {limit})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"sequence length (batch x length = {report['config']['tokens']} tokens)")
     ax.set_ylabel("seconds per forward + backward")
-    ax.set_title("Separate-QK LSH far part: masked scores vs gathered candidates (CPU)")
+    ax.set_title("Separate-QK LSH far part: sorted blocks vs dense reference (CPU)")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
@@ -109,16 +104,16 @@ def main(argv: list[str] | None = None):
         print(f"length {length:5d}: " + ", ".join(f"{name} {seconds[name][str(length)] * 1000:8.1f} ms"
                                                   for name in PATHS), flush=True)
     candidates = args.rounds * attn.far.recent_size
-    ratio = {str(n): seconds["gathered_candidates"][str(n)] / seconds["masked_scores"][str(n)] for n in args.lengths}
-    faster = [n for n in args.lengths if ratio[str(n)] > 1.0]
+    ratio = {str(n): seconds["sorted_blocks"][str(n)] / seconds["reference"][str(n)] for n in args.lengths}
+    slower = [n for n in args.lengths if ratio[str(n)] > 1.0]
     report = {"benchmark": "lsh_far_paths", "experiment": EXPERIMENT, "setup": setup,
               "device": "cpu", "config": vars(args) | {"output": str(output)}, "seconds": seconds,
-              "gathered_over_masked_time": ratio, "candidates_per_query": candidates,
-              "dense_far_ratio": lsh_window.DENSE_FAR_RATIO,
-              "longest_length_masked_is_faster": max(faster) if faster else None}
+              "blocks_over_reference_time": ratio, "candidates_per_query": candidates,
+              "sorted_block": lsh_window.SORTED_BLOCK,
+              "longest_length_reference_is_faster": max(slower) if slower else None}
     write_report(output, report)
     plot(report, output.with_suffix(".png"))
-    print(f"gathered / masked time: {ratio}; the layer switches at L = {lsh_window.DENSE_FAR_RATIO * candidates}")
+    print(f"sorted blocks / reference time: {ratio}")
     print(f"wrote {output} and {output.with_suffix('.png')}")
 
 

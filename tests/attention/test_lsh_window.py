@@ -14,7 +14,7 @@ from attnzoo import ZooHybridConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation, build_attention
 from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
-from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention, candidate_positions
+from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
 from attnzoo.modeling.attention.window import left_align, restore_order
 from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache
 from attnzoo.transformers_compat import output_cache
@@ -267,42 +267,31 @@ def test_encoder_layers_are_refused():
 
 
 # -- separate queries and keys (lsh_shared_qk=False) ---------------------------------------------------------------
-@pytest.mark.parametrize("path", ["masked_scores", "gathered_candidates"])
+@pytest.mark.parametrize("block", [1, 3, 32])  # one query a block; blocks that do not divide the length; the layer's
 @pytest.mark.parametrize("window, sinks, correction, hashes", [(4, 2, True, 2), (4, 2, False, 2), (1, 0, True, 3),
                                                                (5, 7, True, 1), (3, 0, True, 2)])
-def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes, path,
+def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes, block,
                                                                           monkeypatch):
-    """Both forms of the far part, every key scored and all but the candidates masked (training lengths) and each
-    query's candidates gathered (long prompts), give the reference's values and gradients."""
+    """The sorted blocks (queries laid out by where their candidates end among the sorted keys, each block scoring
+    its span of K + block keys) give the reference's values and gradients, whatever the block size."""
     import attnzoo.modeling.attention.lsh_window as lsh_window
 
-    monkeypatch.setattr(lsh_window, "DENSE_FAR_RATIO", 10**6 if path == "masked_scores" else 0)
+    monkeypatch.setattr(lsh_window, "SORTED_BLOCK", block)
     attn = layer(window_size=window, num_sink_tokens=sinks, lsh_duplicate_correction=correction, lsh_shared_qk=False,
                  lsh_num_hashes=hashes)
     assert [name for name, _ in attn.named_children()] == ["rotary", "q_proj", "k_proj", "v_proj", "o_proj"]
     check_against_the_dense_reference(attn)
 
 
-@pytest.mark.parametrize("slots", [1, 700])  # one query per block; blocks that do not divide the length
-def test_separate_queries_and_keys_in_query_blocks_equal_the_dense_reference(slots, monkeypatch):
-    """Long prompts gather the candidates of a block of queries at a time (a memory bound); any block size gives the
-    values and gradients of the reference."""
+@pytest.mark.parametrize("pairs", [1, 700])  # one block per group; groups that do not divide the blocks
+def test_separate_queries_and_keys_in_groups_of_blocks_equal_the_dense_reference(pairs, monkeypatch):
+    """Long prompts score a group of blocks at a time (a memory bound); any group size gives the values and gradients
+    of the reference."""
     import attnzoo.modeling.attention.lsh_window as lsh_window
 
-    monkeypatch.setattr(lsh_window, "FAR_BLOCK_SLOTS", slots)
-    monkeypatch.setattr(lsh_window, "DENSE_FAR_RATIO", 0)
-    check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False))
-
-
-def test_separate_queries_and_keys_retrieve_the_most_recent_keys_of_the_query_bucket():
-    """The candidates of a query are, per round, the `keep` latest earlier keys whose bucket is the query's."""
-    generator = torch.Generator().manual_seed(0)
-    query_buckets = torch.randint(0, 3, (2, 1, 2, 40), generator=generator)
-    key_buckets = torch.randint(0, 3, (2, 1, 2, 40), generator=generator)
-    found = candidate_positions(query_buckets, key_buckets, keep=4)
-    for b, r, i in [(0, 0, 0), (0, 1, 17), (1, 0, 39), (1, 1, 5)]:
-        expected = [j for j in range(i - 1, -1, -1) if key_buckets[b, 0, r, j] == query_buckets[b, 0, r, i]][:4]
-        assert found[b, 0, r, i].tolist() == expected + [-1] * (4 - len(expected))
+    monkeypatch.setattr(lsh_window, "FAR_BLOCK_PAIRS", pairs)
+    monkeypatch.setattr(lsh_window, "SORTED_BLOCK", 4)
+    check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False, lsh_num_hashes=3))
 
 
 def test_plain_lsh_refuses_separate_queries_and_keys_and_chunk_windows_need_shared_ones():

@@ -158,18 +158,16 @@ def test_train_lm_variants_end_to_end(tmp_path):
 
 
 def test_lsh_far_paths_end_to_end(tmp_path):
-    """Both far-part forms are timed at every length, the layer's own setting is restored, and the report says which
-    form was faster where."""
-    import attnzoo.modeling.attention.lsh_window as lsh_window
-
+    """The layer's sorted blocks and its dense reference are timed at every length, and the report gives their
+    ratio."""
     paths = load_benchmark("lsh_far_paths")
     out = tmp_path / "far.json"
-    setting = lsh_window.DENSE_FAR_RATIO
     paths.main(["--tokens", "128", "--lengths", "64", "128", "--repeats", "1", "--output", str(out)])
     report = json.loads(out.read_text())
-    assert lsh_window.DENSE_FAR_RATIO == setting == report["dense_far_ratio"]
-    assert set(report["seconds"]) == {"masked_scores", "gathered_candidates"}
+    assert set(report["seconds"]) == {"sorted_blocks", "reference"}
     assert all(set(points) == {"64", "128"} and min(points.values()) > 0 for points in report["seconds"].values())
+    assert report["blocks_over_reference_time"]["64"] == report["seconds"]["sorted_blocks"]["64"] / report[
+        "seconds"]["reference"]["64"]
     assert report["candidates_per_query"] == 2 * 32 and out.with_suffix(".png").stat().st_size > 0
     with pytest.raises(ValueError, match="divide --tokens"):
         paths.main(["--tokens", "128", "--lengths", "48", "--output", str(out)])

@@ -33,7 +33,7 @@ the window's ring, each token's buckets as indices and the keys and values that 
 larger than a KV cache; the evaluation rotations are drawn again from the seed): a new token costs
 O((S + W + rounds · K) · head_dim + rounds · n). With the "bucket" setting it equals the full forward
 (docs/lsh_attention.md, §6). With `lsh_shared_qk=False` queries and keys keep their own projections and are hashed
-apart, and the far part gathers each query's candidates (docs/lsh_attention.md, §7).
+apart, and the far part scores each query's candidates in blocks of the keys' sorted order (docs/lsh_attention.md, §7).
 """
 
 from __future__ import annotations
@@ -47,19 +47,16 @@ from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.attention.lsh import LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import hash_buckets, inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
-from attnzoo.modeling.attention.windowed import FarPart, normalised_far, register_far_part
+from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, normalised_far, register_far_part
 from attnzoo.modeling.cache import write_at_rows
 from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
-#: (query, candidate) pairs whose keys and values separate-QK LSH gathers at once (about 0.5 GB at head width 64)
-FAR_BLOCK_SLOTS = 1 << 20
-#: separate-QK LSH scores every earlier key and masks all but the candidates (one [L, L] softmax) while the length is
-#: at most this many times a query's R * K candidates: at short lengths that is faster on the CPU than gathering each
-#: query's candidates (the same keys and logits; `benchmarks/lsh_far_paths.py` measures where the two cross: at
-#: 4 x R x K for the long-context benchmark's training layer, and between 4 and 8 x R x K for a SmolLM2-shaped
-#: layer's forward), and past it the gather's O(L * R * K) memory wins.
-DENSE_FAR_RATIO = 4
-
+#: queries per block (and sorted keys per chunk) of separate-QK LSH's sorted blocks: each query scores K + SORTED_BLOCK
+#: keys. 32 measured fastest against 16 and 64 for a SmolLM2-shaped layer at 8K tokens (K = 64, 4 rounds, 2 cores).
+SORTED_BLOCK = 32
+#: (query, key slot) pairs that separate-QK LSH's sorted blocks score at once: a memory bound, one group of blocks at
+#: training lengths and a few at long prompts (about 300 MB of scores and masks per group in float32)
+FAR_BLOCK_PAIRS = 1 << 24
 
 @dataclass
 class FarKeyMask(ChunkMask):
@@ -76,36 +73,22 @@ class FarKeyMask(ChunkMask):
         return super().disallowed() | ~far
 
 
-def gather_heads(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """store [B, H, N, d] read at index [B, H, n] -> [B, H, n, d]."""
-    return gather_grouped(store, index)
-
-
-def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """store [B, kv_heads, N, d] read at index [B, H, n] for each query head (head h reads key/value head
-    h // (H / kv_heads)) -> [B, H, n, d], without repeating the store. Whole rows are copied (`index_select` over
-    the flattened store): an element-wise `gather` with the index expanded over d was several times slower."""
-    batch, kv_heads, length, dim = store.shape
+def grouped_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of `store` [B, kv_heads, N, d], flattened to [B * kv_heads * N, d], that each query head reads at
+    `index` [B, H, ...] (head h reads key/value head h // (H / kv_heads)): a flat index for `index_select`."""
+    batch, kv_heads, length = store.shape[:3]
     heads = index.shape[1]
     group = torch.arange(heads, device=index.device)[None, :, None] // (heads // kv_heads)
     row = torch.arange(batch, device=index.device)[:, None, None] * kv_heads + group
-    rows = (row * length + index).reshape(-1)
-    return store.reshape(batch * kv_heads * length, dim).index_select(0, rows).view(batch, heads, -1, dim)
+    return (row * length + index.flatten(2)).reshape(-1)
 
 
-def candidate_positions(query_buckets: torch.Tensor, key_buckets: torch.Tensor, keep: int) -> torch.Tensor:
-    """[B, H, R, L, keep] positions of the `keep` most recent earlier keys j < i in query i's bucket, per round, -1
-    where there are fewer, for query and key buckets [B, H, R, L] (padding in a bucket no real query has). Keys are
-    sorted by (bucket, position); a query's candidates are the sorted keys just before its own (bucket, position)."""
-    length = key_buckets.shape[-1]
-    position = torch.arange(length, device=key_buckets.device)
-    codes, order = (key_buckets * length + position).sort(dim=-1)
-    before = torch.searchsorted(codes, (query_buckets * length + position).contiguous())  # keys with a smaller code
-    slots = before[..., None] - 1 - torch.arange(keep, device=key_buckets.device)  # most recent first
-    flat = slots.clamp(min=0).flatten(-2)
-    found = order.gather(-1, flat).view_as(slots)
-    same = (codes.gather(-1, flat).view_as(slots) // length) == query_buckets[..., None]
-    return torch.where((slots >= 0) & same, found, -1)
+def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """store [B, kv_heads, N, d] read at index [B, H, n] for each query head -> [B, H, n, d], without repeating the
+    store. Whole rows are copied (`index_select` over the flattened store): an element-wise `gather` with the index
+    expanded over d was several times slower."""
+    rows = grouped_rows(store, index)
+    return store.reshape(-1, store.shape[-1]).index_select(0, rows).view(*index.shape[:2], -1, store.shape[-1])
 
 
 @register_far_part("lsh")
@@ -196,9 +179,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         if state is not None:
             self._start_state(state, k, v, key_buckets, rotations)
         if not self.shared_qk:
-            if length <= DENSE_FAR_RATIO * query_buckets.shape[2] * self.recent_size:
-                return self._far_dense(q, k, v, query_buckets, key_buckets, valid)
-            return self._far_of_candidates(q, k, v, candidate_positions(query_buckets, key_buckets, self.recent_size))
+            return self._far_of_sorted_blocks(q, k, v, query_buckets, key_buckets)
         m = self.chunk_length
         buckets = pad_to_multiple(query_buckets, m, dim=3, value=num_buckets)
         # On a recomputation the backward follows at once: keeping the probabilities costs no peak memory.
@@ -208,48 +189,121 @@ class LSHFarPart(LSHBuckets, FarPart):
                                       return_lse=True, keys=None if k is q else pad_to_multiple(k, m, dim=2))
         return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
 
-    def _far_dense(self, q, k, v, query_buckets, key_buckets, valid):
-        """`_far_of_candidates` as one masked [L, L] softmax, for left-aligned queries q [B, H, L, d] and their
-        buckets [B, H, R, L] (`valid` [B, L]: real tokens): per round, key j is a candidate of query i when it lies in
-        i's bucket and fewer than K of that bucket's keys lie between them; a key listed in c rounds gets the logit
-        s + log(c), or s with the duplicate correction (what the gathered candidates' softmax gives)."""
-        length = q.shape[2]
-        position = torch.arange(length, device=q.device)
-        earlier = ((key_buckets[..., None, :] == query_buckets[..., :, None])
-                   & (position[None, :] < position[:, None]) & valid[:, None, None, None, :])  # [B, H, R, L, L]
-        running = earlier.cumsum(-1, dtype=torch.int32)
-        between = running[..., -1:] - running  # same-bucket keys after j and before i
-        listed = (earlier & (between < self.recent_size)).sum(2, dtype=torch.int32)  # [B, H, L, L]: rounds listing j
-        far = (listed > 0) & beyond_window(position[:, None], position[None, :], self.layer.window_size,
-                                           self.layer.sinks)
-        logits = (q @ self.layer.expand_kv(k).transpose(-1, -2)) * self.scale
-        if not self.duplicate_correction:
-            logits = logits + listed.to(logits.dtype).log()
-        return normalised_far(logits.masked_fill(~far, float("-inf")), self.layer.expand_kv(v))
+    def _far_of_sorted_blocks(self, q, k, v, query_buckets, key_buckets):
+        """The far triple of separate-QK LSH for left-aligned queries, from the keys' (bucket, position) order, in dense
+        blocks. Per round, query i's candidates are the K most recent earlier keys of its bucket: the candidates of
+        query i in a round are the sorted keys in the slots [lo_i, b_i), where b_i counts the keys that sort before
+        i's own code and lo_i = max(b_i - K, the first slot of i's bucket). Queries whose b_i fall in one C-slot chunk
+        of the sorted keys (C = chunk length) all find theirs in the K + C slots [jC - K, (j+1)C), so queries are laid
+        out by that chunk, C to a block (a chunk with more queries fills several blocks), and each block scores its
+        span of keys in one matrix product: no per-query copies of keys (docs/lsh_attention.md, §7). Each round
+        gives its own softmax (with the duplicate correction a pair already listed in an earlier round is left out,
+        so each key counts once); the rounds combine by their log-sum-exps.
 
-    def _far_of_candidates(self, q, k, v, candidates):
-        """The far triple of left-aligned queries q [B, H, L, d] over their candidates [B, H, R, L, K] (positions of
-        keys k, v [B, kv_heads, L, d]; -1: none): the candidates beyond the window, one softmax, a key listed in
-        several rounds counted once with the duplicate correction.
+        q [B, H, L, d] and k, v [B, kv_heads, L, d|e] left-aligned; buckets [B, H, R, L] (padding: the extra bucket,
+        which sorts last and no real query shares)."""
+        batch, heads, rounds, length = query_buckets.shape
+        device, C, K = q.device, SORTED_BLOCK, self.recent_size
+        position = torch.arange(length, device=device)
+        codes, key_order = (key_buckets * length + position).sort(dim=-1)  # slot -> key position
+        before = torch.searchsorted(codes, (query_buckets * length + position).contiguous())  # [B, H, R, L]
+        bucket_start = torch.searchsorted(codes, (query_buckets * length).contiguous())
+        low = torch.maximum(before - K, bucket_start)
+        key_slot = inverse_permutation(key_order)  # key position -> slot
+        # Queries by the chunk of sorted keys their candidates end in; `rank`: their place among that chunk's queries.
+        chunk = torch.div(before, C, rounding_mode="floor")
+        chunk_sorted, query_order = chunk.sort(dim=-1, stable=True)
+        rank = position - torch.searchsorted(chunk_sorted, chunk_sorted)
+        chunks = length // C + 1
+        count = torch.zeros(batch, heads, rounds, chunks, dtype=torch.long, device=device)
+        count.scatter_add_(-1, chunk_sorted, torch.ones_like(chunk_sorted))
+        blocks_of_chunk = torch.div(count + C - 1, C, rounding_mode="floor")
+        first_block = blocks_of_chunk.cumsum(-1) - blocks_of_chunk
+        block = first_block.gather(-1, chunk_sorted) + torch.div(rank, C, rounding_mode="floor")
+        num_blocks = -(-length // C) + chunks  # a static bound: the sum of ceil(count / C) over the chunks
+        place = block * C + rank % C  # each query's place in the [num_blocks * C] layout, in sorted order
+        query_at = position.new_full((batch, heads, rounds, num_blocks * C), -1).scatter_(-1, place, query_order)
+        place_of_query = torch.empty_like(place).scatter_(-1, query_order, place)  # query position -> its place
+        chunk_of_block = torch.zeros(batch, heads, rounds, num_blocks, dtype=torch.long, device=device).scatter_(
+            -1, block, chunk_sorted)
+        # Keys and values once in each round's sorted order, padded by K slots before and C after: chunk j's span
+        # is then the window of K + C rows starting at row jC, a strided view (`unfold`), copied once per block.
+        span = K + C
+        sorted_rows = grouped_rows(k, key_order)
+        windows = [torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).index_select(0, sorted_rows).view(
+            batch, heads, rounds, length, -1), (0, 0, K, C)) for x in (k, v)]  # [B, H, R, K + L + C, d|e]
+        windows.append(torch.nn.functional.pad(key_order, (K, C), value=-1).unfold(3, span, C))  # key positions
+        # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
+        bounds = (low.int(), before.int(), key_slot.int())
+        per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
+        parts = [self._far_of_block_group(q, query_at[..., start * C:(start + per_group) * C],
+                                          chunk_of_block[..., start:start + per_group], *windows, *bounds)
+                 for start in range(0, num_blocks, per_group)]  # a memory bound: one group at training lengths
+        num, lse = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3) for part in zip(*parts, strict=True))
+        # each round's (num, lse) back in query order, then the rounds under one log-sum-exp
+        num = num.flatten(0, 2).gather(1, place_of_query.flatten(0, 2)[..., None].expand(-1, -1, num.shape[-1]))
+        lse = lse.flatten(0, 2).gather(1, place_of_query.flatten(0, 2))
+        num, lse = num.view(batch, heads, rounds, length, -1), lse.view(batch, heads, rounds, length)
+        total = log_far_mass(lse.transpose(2, 3))  # [B, H, L]
+        weight = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
+        return (weight[..., None] * num).sum(2), torch.ones_like(total), total
 
-        Each query gathers its own R * K keys and values, so the queries go in blocks of at most
-        `FAR_BLOCK_SLOTS` (query, candidate) pairs: one block at training lengths, a few at long prompts, where
-        gathering every query's candidates at once took 22 GB at 4,096 tokens (found evaluating a small model)."""
-        batch, heads, rounds, length, keep = candidates.shape
-        index = candidates.permute(0, 1, 3, 2, 4).reshape(batch, heads, length, rounds * keep)
-        block = max(1, FAR_BLOCK_SLOTS // (batch * heads * rounds * keep))
-        parts = [self._far_of_block(q[:, :, start:start + block], k, v, index[:, :, start:start + block], start)
-                 for start in range(0, length, block)]  # a memory bound: one block unless the prompt is long
-        return parts[0] if len(parts) == 1 else tuple(torch.cat(part, dim=2) for part in zip(*parts, strict=True))
-
-    def _far_of_block(self, q, k, v, index, start: int):
-        """`_far_of_candidates` for the queries at positions start, start + 1, ... (q [B, H, T, d], their candidates
-        index [B, H, T, n])."""
-        batch, heads, count, slots = index.shape
-        position = torch.arange(start, start + count, device=q.device)[None, None, :, None]
-        safe = index.clamp(min=0).flatten(2)
-        return self._far_softmax(q, index, position, gather_grouped(k, safe).view(batch, heads, count, slots, -1),
-                                 gather_grouped(v, safe).view(batch, heads, count, slots, -1))
+    def _far_of_block_group(self, q, query_at, chunk_of_block, key_windows, value_windows, position_windows, low,
+                            before, key_slot):
+        """(num [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries (their positions `query_at`
+        [B, H, R, n * C], -1: an empty place) over the K + C key slots that end each block's chunk of sorted keys
+        (`key_windows`, `value_windows` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows
+        before and C after, so chunk j's span starts at row jC; `position_windows` [B, H, R, chunks, K + C]: each
+        span's key positions, -1 past the ends); `low`, `before` [B, H, R, L]: each query's candidate slots
+        [low, before) per round (int32), `key_slot`: each key's slot per round (int32)."""
+        batch, heads, rounds, length = low.shape
+        C, K = SORTED_BLOCK, self.recent_size
+        blocks, span = chunk_of_block.shape[-1], K + C
+        shape = (batch, heads, rounds, blocks, C)
+        device = q.device
+        slot = chunk_of_block[..., None] * C - K + torch.arange(span, device=device)  # [B, H, R, n, S]
+        at = (torch.arange(batch, device=device)[:, None, None, None],
+              torch.arange(heads, device=device)[:, None, None], torch.arange(rounds, device=device)[:, None],
+              chunk_of_block)
+        key_at = position_windows[at]  # [B, H, R, n, S]
+        # each block's span of sorted rows: consecutive rows of the padded sorted keys and values
+        rows = (((at[0] * heads + at[1]) * rounds + at[2]) * (K + length + C) + chunk_of_block * C)[..., None] \
+            + torch.arange(span, device=device)
+        keys, values = (x.reshape(-1, x.shape[-1]).index_select(0, rows.reshape(-1)).view(*shape[:4], span, -1)
+                        for x in (key_windows, value_windows))
+        query_real = (query_at >= 0).view(shape)
+        query_pos = query_at.clamp(min=0)
+        # an empty place lists no slot: [0, 0)
+        q_low = torch.where(query_real, low.gather(-1, query_pos).view(shape), 0)[..., None]
+        q_before = torch.where(query_real, before.gather(-1, query_pos).view(shape), 0)[..., None]
+        query_pos = query_pos.view(shape)
+        slot = slot.int()[..., None, :]
+        far = slot >= q_low  # [B, H, R, n, C, S], built in place
+        far &= slot < q_before
+        far &= (key_at >= self.layer.sinks).unsqueeze(-2)
+        far &= key_at.unsqueeze(-2) <= (query_pos - self.layer.window_size).unsqueeze(-1)
+        if self.duplicate_correction:
+            # a pair listed in an earlier round already counts there: each key once (the reference's correction)
+            query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)
+            for this in range(1, rounds):
+                for earlier in range(this):  # a handful of rounds: R(R - 1)/2 comparisons of one round's size
+                    at = key_slot[:, :, earlier].gather(-1, key_index[:, :, this]).view(batch, heads, blocks, 1, span)
+                    lo = low[:, :, earlier].gather(-1, query_index[:, :, this]).view(batch, heads, blocks, C, 1)
+                    end = before[:, :, earlier].gather(-1, query_index[:, :, this]).view(batch, heads, blocks, C, 1)
+                    far[:, :, this] &= (at < lo) | (at >= end)
+        rows = grouped_rows(q, query_pos)
+        queries = q.reshape(-1, q.shape[-1]).index_select(0, rows).view(*shape, -1)
+        logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, float("-inf"))  # bmm's backward needs no output
+        # one softmax pass: the scale folded into the exponent; a query without far keys gets 0 and -inf
+        peak = logits.amax(-1, keepdim=True)
+        peak = torch.where(torch.isfinite(peak), peak, 0.0)
+        weights = torch.exp((logits - peak) * self.scale)
+        mass = weights.sum(-1)
+        has = mass > 0
+        safe = torch.where(has, mass, 1.0)
+        num = (weights @ values) / safe[..., None]
+        lse = torch.where(has, peak.squeeze(-1) * self.scale + safe.log(), float("-inf"))
+        return num.flatten(3, 4), lse.flatten(3)
 
     def _far_softmax(self, q, index, position, keys, values):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at
@@ -308,8 +362,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room, spare=False)
         index = candidates.reshape(batch, heads, 1, -1)
         safe = index.clamp(0, stored["lsh_keys"].shape[2] - 1).flatten(2)  # a key still in the window: not far
-        gather = gather_grouped if stored["lsh_keys"].shape[1] != heads else gather_heads
-        keys = gather(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)
+        keys = gather_grouped(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)
         values = gather_grouped(stored["lsh_values"], safe).view(batch, heads, 1, index.shape[-1], -1)
         return self._far_softmax(q, index, position[:, None, None, None], keys, values)
 

@@ -268,8 +268,10 @@ def test_encoder_layers_are_refused():
 
 # -- separate queries and keys (lsh_shared_qk=False) ---------------------------------------------------------------
 @pytest.mark.parametrize("block", [1, 3, 32])  # one query a block; blocks that do not divide the length; the layer's
+# (the last two: a window and sinks that leave a few queries far keys, and a window longer than the sequence)
 @pytest.mark.parametrize("window, sinks, correction, hashes", [(4, 2, True, 2), (4, 2, False, 2), (1, 0, True, 3),
-                                                               (5, 7, True, 1), (3, 0, True, 2)])
+                                                               (5, 7, True, 1), (3, 0, True, 2), (15, 4, True, 2),
+                                                               (30, 2, True, 2)])
 def test_separate_queries_and_keys_equal_the_dense_reference_with_padding(window, sinks, correction, hashes, block,
                                                                           monkeypatch):
     """The sorted blocks (queries laid out by where their candidates end among the sorted keys, each block scoring

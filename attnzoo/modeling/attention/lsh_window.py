@@ -52,7 +52,7 @@ from attnzoo.modeling.cache import write_at_rows
 from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
 #: queries per block (and sorted keys per chunk) of separate-QK LSH's sorted blocks: each query scores K + SORTED_BLOCK
-#: keys. 32 measured fastest against 16 and 64 for a SmolLM2-shaped layer at 8K tokens (K = 64, 4 rounds, 2 cores).
+#: keys. 32 was the fastest of 16, 32 and 64 for a SmolLM2-shaped layer at 8K tokens (K = 64, 4 rounds, 2 cores).
 SORTED_BLOCK = 32
 #: (query, key slot) pairs that separate-QK LSH's sorted blocks score at once: a memory bound, one group of blocks at
 #: training lengths and a few at long prompts (about 300 MB of scores and masks per group in float32)
@@ -204,30 +204,38 @@ class LSHFarPart(LSHBuckets, FarPart):
         which sorts last and no real query shares)."""
         batch, heads, rounds, length = query_buckets.shape
         device, C, K = q.device, SORTED_BLOCK, self.recent_size
+        # Queries before position W + S have no far key (positions count real tokens: the rows are left-aligned).
+        first = min(self.layer.window_size + self.layer.sinks, length)
+        none = (q.new_zeros(batch, heads, first, v.shape[-1]), q.new_ones(batch, heads, first),
+                q.new_full((batch, heads, first), float("-inf")))
+        if first == length:
+            return none
+        q, query_buckets = q[:, :, first:], query_buckets[..., first:]
+        queries = length - first
         position = torch.arange(length, device=device)
         codes, key_order = (key_buckets * length + position).sort(dim=-1)  # slot -> key position
-        before = torch.searchsorted(codes, (query_buckets * length + position).contiguous())  # [B, H, R, L]
+        before = torch.searchsorted(codes, (query_buckets * length + position[first:]).contiguous())  # [B, H, R, Q]
         bucket_start = torch.searchsorted(codes, (query_buckets * length).contiguous())
         low = torch.maximum(before - K, bucket_start)
         key_slot = inverse_permutation(key_order)  # key position -> slot
         # Queries by the chunk of sorted keys their candidates end in; `rank`: their place among that chunk's queries.
         chunk = torch.div(before, C, rounding_mode="floor")
         chunk_sorted, query_order = chunk.sort(dim=-1, stable=True)
-        rank = position - torch.searchsorted(chunk_sorted, chunk_sorted)
+        rank = position[:queries] - torch.searchsorted(chunk_sorted, chunk_sorted)
         chunks = length // C + 1
         count = torch.zeros(batch, heads, rounds, chunks, dtype=torch.long, device=device)
         count.scatter_add_(-1, chunk_sorted, torch.ones_like(chunk_sorted))
         blocks_of_chunk = torch.div(count + C - 1, C, rounding_mode="floor")
         first_block = blocks_of_chunk.cumsum(-1) - blocks_of_chunk
         block = first_block.gather(-1, chunk_sorted) + torch.div(rank, C, rounding_mode="floor")
-        num_blocks = -(-length // C) + chunks  # a static bound: the sum of ceil(count / C) over the chunks
+        num_blocks = -(-queries // C) + chunks  # a static bound: the sum of ceil(count / C) over the chunks
         place = block * C + rank % C  # each query's place in the [num_blocks * C] layout, in sorted order
         query_at = position.new_full((batch, heads, rounds, num_blocks * C), -1).scatter_(-1, place, query_order)
-        place_of_query = torch.empty_like(place).scatter_(-1, query_order, place)  # query position -> its place
+        place_of_query = torch.empty_like(place).scatter_(-1, query_order, place)  # query -> its place
         chunk_of_block = torch.zeros(batch, heads, rounds, num_blocks, dtype=torch.long, device=device).scatter_(
             -1, block, chunk_sorted)
         # Keys and values once in each round's sorted order, padded by K slots before and C after: chunk j's span
-        # is then the window of K + C rows starting at row jC, a strided view (`unfold`), copied once per block.
+        # is then the K + C consecutive rows from row jC, copied once per block.
         span = K + C
         sorted_rows = grouped_rows(k, key_order)
         windows = [torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).index_select(0, sorted_rows).view(
@@ -236,27 +244,29 @@ class LSHFarPart(LSHBuckets, FarPart):
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
         per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
-        parts = [self._far_of_block_group(q, query_at[..., start * C:(start + per_group) * C],
+        parts = [self._far_of_block_group(q, first, query_at[..., start * C:(start + per_group) * C],
                                           chunk_of_block[..., start:start + per_group], *windows, *bounds)
                  for start in range(0, num_blocks, per_group)]  # a memory bound: one group at training lengths
         num, lse = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3) for part in zip(*parts, strict=True))
         # each round's (num, lse) back in query order, then the rounds under one log-sum-exp
         num = num.flatten(0, 2).gather(1, place_of_query.flatten(0, 2)[..., None].expand(-1, -1, num.shape[-1]))
         lse = lse.flatten(0, 2).gather(1, place_of_query.flatten(0, 2))
-        num, lse = num.view(batch, heads, rounds, length, -1), lse.view(batch, heads, rounds, length)
-        total = log_far_mass(lse.transpose(2, 3))  # [B, H, L]
+        num, lse = num.view(batch, heads, rounds, queries, -1), lse.view(batch, heads, rounds, queries)
+        total = log_far_mass(lse.transpose(2, 3))  # [B, H, Q]
         weight = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
-        return (weight[..., None] * num).sum(2), torch.ones_like(total), total
+        found = ((weight[..., None] * num).sum(2), torch.ones_like(total), total)
+        return tuple(torch.cat([early, late], dim=2) for early, late in zip(none, found, strict=True))
 
-    def _far_of_block_group(self, q, query_at, chunk_of_block, key_windows, value_windows, position_windows, low,
-                            before, key_slot):
-        """(num [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries (their positions `query_at`
-        [B, H, R, n * C], -1: an empty place) over the K + C key slots that end each block's chunk of sorted keys
-        (`key_windows`, `value_windows` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows
-        before and C after, so chunk j's span starts at row jC; `position_windows` [B, H, R, chunks, K + C]: each
-        span's key positions, -1 past the ends); `low`, `before` [B, H, R, L]: each query's candidate slots
-        [low, before) per round (int32), `key_slot`: each key's slot per round (int32)."""
-        batch, heads, rounds, length = low.shape
+    def _far_of_block_group(self, q, first, query_at, chunk_of_block, key_windows, value_windows,
+                            position_windows, low, before, key_slot):
+        """(num [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries over the K + C key slots that end
+        each block's chunk of sorted keys. q [B, H, Q, d]: the queries from position `first` on; `query_at`
+        [B, H, R, n * C]: which of them sit in each block's places (-1: an empty place); `key_windows`,
+        `value_windows` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows before and C
+        after, so chunk j's span starts at row jC; `position_windows` [B, H, R, chunks, K + C]: each span's key
+        positions, -1 past the ends; `low`, `before` [B, H, R, Q]: each query's candidate slots [low, before) per
+        round (int32); `key_slot` [B, H, R, L]: each key's slot per round (int32)."""
+        batch, heads, rounds, length = key_slot.shape
         C, K = SORTED_BLOCK, self.recent_size
         blocks, span = chunk_of_block.shape[-1], K + C
         shape = (batch, heads, rounds, blocks, C)
@@ -281,7 +291,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         far = slot >= q_low  # [B, H, R, n, C, S], built in place
         far &= slot < q_before
         far &= (key_at >= self.layer.sinks).unsqueeze(-2)
-        far &= key_at.unsqueeze(-2) <= (query_pos - self.layer.window_size).unsqueeze(-1)
+        far &= key_at.unsqueeze(-2) <= (query_pos + (first - self.layer.window_size)).unsqueeze(-1)
         if self.duplicate_correction:
             # a pair listed in an earlier round already counts there: each key once (the reference's correction)
             query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)

@@ -191,10 +191,10 @@ class LSHFarPart(LSHBuckets, FarPart):
 
     def _far_of_sorted_blocks(self, q, k, v, query_buckets, key_buckets):
         """The far triple of separate-QK LSH for left-aligned queries, from the keys' (bucket, position) order, in dense
-        blocks. Per round, query i's candidates are the K most recent earlier keys of its bucket: the candidates of
-        query i in a round are the sorted keys in the slots [lo_i, b_i), where b_i counts the keys that sort before
-        i's own code and lo_i = max(b_i - K, the first slot of i's bucket). Queries whose b_i fall in one C-slot chunk
-        of the sorted keys (C = chunk length) all find theirs in the K + C slots [jC - K, (j+1)C), so queries are laid
+        blocks. Per round, query i's candidates (the K most recent earlier keys of its bucket) are the sorted keys in
+        the slots [lo_i, b_i), where b_i counts the keys that sort before i's own code and lo_i = max(b_i - K, the
+        first slot of i's bucket). Queries whose b_i fall in one C-slot chunk of the sorted keys (C = `SORTED_BLOCK`)
+        all find theirs in the K + C slots [jC - K, (j+1)C), so queries are laid
         out by that chunk, C to a block (a chunk with more queries fills several blocks), and each block scores its
         span of keys in one matrix product: no per-query copies of keys (docs/lsh_attention.md, §7). Each round
         gives its own softmax (with the duplicate correction a pair already listed in an earlier round is left out,
@@ -240,7 +240,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         sorted_rows = grouped_rows(k, key_order)
         windows = [torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).index_select(0, sorted_rows).view(
             batch, heads, rounds, length, -1), (0, 0, K, C)) for x in (k, v)]  # [B, H, R, K + L + C, d|e]
-        windows.append(torch.nn.functional.pad(key_order, (K, C), value=-1).unfold(3, span, C))  # key positions
+        windows.append(torch.nn.functional.pad(key_order, (K, C), value=-1))  # their key positions, -1: padding
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
         per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
@@ -257,14 +257,14 @@ class LSHFarPart(LSHBuckets, FarPart):
         found = ((weight[..., None] * num).sum(2), torch.ones_like(total), total)
         return tuple(torch.cat([early, late], dim=2) for early, late in zip(none, found, strict=True))
 
-    def _far_of_block_group(self, q, first, query_at, chunk_of_block, key_windows, value_windows,
-                            position_windows, low, before, key_slot):
+    def _far_of_block_group(self, q, first, query_at, chunk_of_block, sorted_keys, sorted_values, sorted_positions,
+                            low, before, key_slot):
         """(num [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries over the K + C key slots that end
         each block's chunk of sorted keys. q [B, H, Q, d]: the queries from position `first` on; `query_at`
-        [B, H, R, n * C]: which of them sit in each block's places (-1: an empty place); `key_windows`,
-        `value_windows` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows before and C
-        after, so chunk j's span starts at row jC; `position_windows` [B, H, R, chunks, K + C]: each span's key
-        positions, -1 past the ends; `low`, `before` [B, H, R, Q]: each query's candidate slots [low, before) per
+        [B, H, R, n * C]: which of them sit in each block's places (-1: an empty place); `sorted_keys`,
+        `sorted_values` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows before and C
+        after, so chunk j's span starts at row jC; `sorted_positions` [B, H, R, K + L + C]: their key positions,
+        -1 on the padding; `low`, `before` [B, H, R, Q]: each query's candidate slots [low, before) per
         round (int32); `key_slot` [B, H, R, L]: each key's slot per round (int32)."""
         batch, heads, rounds, length = key_slot.shape
         C, K = SORTED_BLOCK, self.recent_size
@@ -272,15 +272,12 @@ class LSHFarPart(LSHBuckets, FarPart):
         shape = (batch, heads, rounds, blocks, C)
         device = q.device
         slot = chunk_of_block[..., None] * C - K + torch.arange(span, device=device)  # [B, H, R, n, S]
-        at = (torch.arange(batch, device=device)[:, None, None, None],
-              torch.arange(heads, device=device)[:, None, None], torch.arange(rounds, device=device)[:, None],
-              chunk_of_block)
-        key_at = position_windows[at]  # [B, H, R, n, S]
-        # each block's span of sorted rows: consecutive rows of the padded sorted keys and values
-        rows = (((at[0] * heads + at[1]) * rounds + at[2]) * (K + length + C) + chunk_of_block * C)[..., None] \
-            + torch.arange(span, device=device)
+        key_at = sorted_positions.gather(-1, (slot + K).flatten(3)).view_as(slot)  # [B, H, R, n, S]
+        # each block's span: K + C consecutive rows of the padded sorted keys and values
+        head_round = torch.arange(batch * heads * rounds, device=device).view(batch, heads, rounds, 1, 1)
+        rows = head_round * (K + length + C) + (slot + K)
         keys, values = (x.reshape(-1, x.shape[-1]).index_select(0, rows.reshape(-1)).view(*shape[:4], span, -1)
-                        for x in (key_windows, value_windows))
+                        for x in (sorted_keys, sorted_values))
         query_real = (query_at >= 0).view(shape)
         query_pos = query_at.clamp(min=0)
         # an empty place lists no slot: [0, 0)
@@ -297,10 +294,11 @@ class LSHFarPart(LSHBuckets, FarPart):
             query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)
             for this in range(1, rounds):
                 for earlier in range(this):  # a handful of rounds: R(R - 1)/2 comparisons of one round's size
-                    at = key_slot[:, :, earlier].gather(-1, key_index[:, :, this]).view(batch, heads, blocks, 1, span)
+                    there = key_slot[:, :, earlier].gather(-1, key_index[:, :, this]).view(batch, heads, blocks, 1,
+                                                                                            span)
                     lo = low[:, :, earlier].gather(-1, query_index[:, :, this]).view(batch, heads, blocks, C, 1)
                     end = before[:, :, earlier].gather(-1, query_index[:, :, this]).view(batch, heads, blocks, C, 1)
-                    far[:, :, this] &= (at < lo) | (at >= end)
+                    far[:, :, this] &= (there < lo) | (there >= end)
         rows = grouped_rows(q, query_pos)
         queries = q.reshape(-1, q.shape[-1]).index_select(0, rows).view(*shape, -1)
         logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, float("-inf"))  # bmm's backward needs no output

@@ -34,6 +34,8 @@ class ZooReformerSettings(ZooConfig):
         lsh_full_attention_threshold: sequences of at most this many tokens get full shared-QK attention instead of
             hashing (`None`: lsh_chunk_length). In causal layers the first this-many positions of every sequence
             attend fully (to at most this many keys), so a position's attention does not depend on the length.
+            Shared-QK "lsh" layers only: with `lsh_shared_qk=False` a query always attends to its own key, and
+            the threshold must be 0 or None.
         lsh_attend_to: which keys a query sees in each round. "bucket" (default): only keys of its own bucket (§2,
             Eq. 3), at most `lsh_num_chunks_before * lsh_chunk_length` sorted positions before it (and
             `lsh_num_chunks_after * lsh_chunk_length` after it in bidirectional layers): a window that slides with
@@ -45,10 +47,12 @@ class ZooReformerSettings(ZooConfig):
         lsh_duplicate_correction: make multi-round attention one softmax over the union of the rounds' keys, a key
             attended in several rounds counted once (Appendix A).
         lsh_shared_qk: True (the Reformer's, §2): one projection gives queries and keys (k = q / |q|), scores
-            q·k without scaling, a query's own key penalised. False ("lsh_window" layers): separate query and key
-            projections, as a pretrained model has them (a Llama converts keeping its k_proj); queries and keys are
-            hashed apart with the same rotations, each key retrieved is scored with the exact q·k / √d, and
-            "bucket" is the only `lsh_attend_to` (docs/lsh_attention.md, "Separate queries and keys").
+            q·k without scaling, a query's own key penalised. False ("lsh_window" layers and causal "lsh" layers):
+            separate query and key projections, as a pretrained model has them (a Llama converts keeping its
+            k_proj); queries and keys are hashed apart with the same rotations, each key retrieved is scored with
+            the exact q·k / √d, and "bucket" is the only `lsh_attend_to` (docs/lsh_attention.md, "Separate
+            queries and keys"). An "lsh" layer then attends to its own key and, in every round, to the most recent
+            earlier keys of its bucket (`lsh_window` with a window of one token).
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
             probabilities (`None`: `attention_probs_dropout_prob`).
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back

@@ -131,9 +131,17 @@ class RecurrentStateLayer(SelfManagedCacheLayer):
         self.state = {name: fn(t) for name, t in self.state.items()}
 
 
+#: A token buffer's spare room when it grows, as a fraction of what it holds (at least `MIN_SPARE_TOKENS`): a
+#: decoding cache stays within about 3% of the tokens it holds (a KV cache holds them exactly), and a step copies the
+#: buffer once every capacity / 32 tokens (doubling would hold up to twice the tokens).
+SPARE_FRACTION = 32
+MIN_SPARE_TOKENS = 16
+
+
 class TokenBufferLayer(SelfManagedCacheLayer):
     """A cache slot holding per-token tensors of every cached position (keys, values, buckets, validity, ...) in
-    buffers that grow by doubling along each tensor's token axis, and per-sequence tensors (e.g. hash rotations).
+    buffers along each tensor's token axis, sized to the prefill and grown by a few percent (`SPARE_FRACTION`) when
+    full, and per-sequence tensors (e.g. hash rotations).
     Its attention writes and reads it; cropping (assisted decoding) truncates. Per-sequence tensors named in
     `derived_from_tokens` are indexes over the tokens: cropping drops them and the attention rebuilds them."""
 
@@ -152,7 +160,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         first, dim = next(iter(tokens.values()))
         self.lazy_initialization(first, first)
         self.length = self.start_length = first.shape[dim]
-        capacity = max(16, 2 * self.length)
+        capacity = self.length  # the prefill's tokens exactly; the first append grows it
         self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
         self.buffers = {name: _grown(x.detach(), capacity, dim) for name, (x, dim) in tokens.items()}
         self.sequence = dict(sequence)
@@ -163,7 +171,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         count = first.shape[self.token_dims[name]]
         capacity = self.buffers[name].shape[self.token_dims[name]]
         if self.length + count > capacity:
-            capacity = max(2 * capacity, self.length + count)
+            capacity = self.length + count + max(MIN_SPARE_TOKENS, capacity // SPARE_FRACTION)
             self.buffers = {n: _grown(b, capacity, self.token_dims[n]) for n, b in self.buffers.items()}
         for name, x in tokens.items():
             self.buffers[name].narrow(self.token_dims[name], self.length, count).copy_(x.detach())

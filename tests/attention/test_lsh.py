@@ -267,7 +267,39 @@ def test_decoding_cost_per_token_is_bounded():
     index, _ = local.decode_window(local_layer, 1)
     assert index.shape[-1] == (1 + 1) * 4  # a new token reads only its window's keys, whatever the context
     assert local_layer.get_seq_length() == 43 and local_layer.is_croppable  # all are kept, so it can be cropped
-    assert lsh_layer.sequence["recent"].shape[-1] == 4  # a new token reads K keys per round, whatever the context
+    lsh = model.model.transformer.blocks[1].attn
+    qk = torch.randn(1, 2, 1, lsh.head_dim, dtype=torch.float64)
+    listed = lsh.join_buckets(qk, qk, torch.ones(1, 1, dtype=torch.bool), lsh_layer)
+    assert listed.shape == (1, 2, 2, 4 + 1)  # a new token reads K keys per round and its own, whatever the context
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_decoding_cache_holds_a_kv_cache_and_small_bucket_indices(kv_heads, seeded):
+    # What a KV cache of the same heads holds (the shared query-keys and the unrepeated values), each key's buckets as
+    # int16 and a validity flag, at any length: no per-bucket table, no spare room past a few percent, and no
+    # rotations when decoding can draw them again from the evaluation seed.
+    config = lm_config(attn_layers=["lsh"], num_attention_heads=4, num_key_value_heads=kv_heads, hidden_size=256,
+                       lsh_num_buckets=None, max_position_embeddings=1024, lsh_chunk_length=8,
+                       lsh_hash_seed=7 if seeded else None)
+    torch.manual_seed(0)
+    model = ZooReformerForCausalLM(config).eval()
+    lsh = model.model.transformer.blocks[0].attn
+    assert math.prod(lsh.bucket_factors()) == 256
+    for length in (520, 1000):  # past MIN_SPARE_TOKENS / 5%: the spare room is at most 1 / SPARE_FRACTION
+        cache = output_cache(model(torch.randint(2, 37, (1, length)), use_cache=True))
+        for _ in range(3):
+            cache = output_cache(model(torch.randint(2, 37, (1, 1)), cache=cache, use_cache=True))
+        layer = cache.layers[0]
+        held = length + 3
+        assert layer.buffers["keys"].shape[:2] == (1, 4) and layer.buffers["values"].shape[:2] == (1, kv_heads)
+        assert layer.buffers["buckets"].dtype == torch.int16
+        assert set(layer.sequence) == ({"lead"} if not seeded else {"lead", "rotations"})
+        kv_bytes = held * (4 + kv_heads) * lsh.head_dim * 4  # keys of every query head (shared QK) and values
+        stored = sum(b.numel() * b.element_size() for b in layer.buffers.values())
+        extra = held * (4 * 2 * 2 + 1)  # int16 buckets of 4 heads x 2 rounds, a bool per token
+        assert stored <= 1.05 * (kv_bytes + extra)
+        assert kv_bytes + extra <= 1.05 * kv_bytes
 
 
 def test_beam_search_and_batched_left_padding_with_real_hashing():

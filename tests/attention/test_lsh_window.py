@@ -296,9 +296,9 @@ def test_separate_queries_and_keys_in_groups_of_blocks_equal_the_dense_reference
     check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False, lsh_num_hashes=3))
 
 
-def test_plain_lsh_refuses_separate_queries_and_keys_and_chunk_windows_need_shared_ones():
-    with pytest.raises(ValueError, match=r"lsh_shared_qk=False is available in 'lsh_window' layers"):
-        build_attention("lsh", config(lsh_shared_qk=False), 0, True)
+def test_chunk_windows_need_shared_queries_and_keys():
+    # plain "lsh" layers take separate ones too: tests/attention/test_lsh_separate_qk.py
+    assert build_attention("lsh", config(lsh_shared_qk=False), 0, True).name == "lsh"
     with pytest.raises(ValueError, match=r"lsh_attend_to='chunk' is invalid.*set lsh_attend_to='bucket'"):
         config(lsh_shared_qk=False, lsh_attend_to="chunk")
 

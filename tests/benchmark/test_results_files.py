@@ -61,6 +61,7 @@ CASES = {
     "decayed_linear_cpu": (["--quick", "--output", "{out}"], "scan_rows"),
     "decoding_speed": (["--tiny", "--output", "{out}"], "run_worker"),
     "kernels_gpu": (["--quick", "--no_fla", "--output", "{out}"], "linear_steps"),
+    "lsh_decoding_state": (["--lengths", "64", "--results", "{out}"], "run_worker"),
     "lsh_far_paths": (["--output", "{out}"], "layer"),
     "near_part_speed": (["--lengths", "128", "--results", "{out}"], "run_worker"),
     "paper_size_reformer": (["--tiny", "--output", "{out}"], "run_worker"),
@@ -109,8 +110,8 @@ def test_a_users_own_json_and_picture_are_refused_and_left_as_they_are(name, tmp
     with pytest.raises(owned.Refused) as refused:
         module.main(argv)
     message = str(refused.value)
-    flag = "--results" if name in ("conversion_fidelity", "near_part_speed", "passkey_retrieval",
-                                                    "short_sequence_speed") else "--output"
+    flag = "--results" if name in ("conversion_fidelity", "lsh_decoding_state", "near_part_speed",
+                                   "passkey_retrieval", "short_sequence_speed") else "--output"
     assert message.startswith(f"{flag} {out} is not a report of benchmarks/{name}.py: "), message
     assert message.endswith(f"nothing was written: name another {flag} (or move that file away).")
     assert "\n" not in message
@@ -307,6 +308,7 @@ COMMITTED = {
     "decoding_speed_cpu.json": "decoding_speed",
     "decoding_speed_cuda.json": "decoding_speed",
     "kernels_gpu_nvidia_h100_80gb_hbm3.json": "kernels_gpu",
+    "lsh_decoding_state.json": "lsh_decoding_state",
     "lsh_far_paths.json": "lsh_far_paths",
     "near_part_speed.json": "near_part_speed",
     "lsh_round_union_after.json": "reformer_attention_speed",
@@ -405,6 +407,7 @@ def test_the_committed_runs_would_replace_their_reports(monkeypatch):
          RESULTS / "reformer_duplication.json"),
         ("lsh_far_paths", [], RESULTS / "lsh_far_paths.json"),
         ("near_part_speed", [], RESULTS / "near_part_speed.json"),
+        ("lsh_decoding_state", [], RESULTS / "lsh_decoding_state.json"),
     ]
     for name, argv, committed in cases:
         if committed.is_file():

@@ -8,9 +8,10 @@ set by `lsh_attend_to` (see `ZooReformerConfig`). A query's own key gets a large
 when nothing else is. Rounds are combined through their log-sum-exps, with the duplicate correction computed by
 attending each key of the union in the first round that lists it. Short sequences (and, in causal layers, the first
 `lsh_full_attention_threshold` positions) get full shared-QK attention. A reversible recomputation reuses the
-forward's buckets. Decoding keeps every token's key, value and buckets plus each bucket's most recent keys, so a new
-token costs O(rounds * chunk_length * head_dim) at any context length and equals the full forward with the "bucket"
-window. The derivations and the exactness arguments are in docs/lsh_attention.md.
+forward's buckets. Decoding keeps what a KV cache keeps (every token's key and its unrepeated value) plus each key's
+buckets as small integers, and finds a new token's candidates by comparing its buckets with the stored ones: a new
+token costs O(rounds * (n + chunk_length * head_dim)) for n cached tokens, and equals the full forward with the
+"bucket" window. The derivations and the exactness arguments are in docs/lsh_attention.md.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from attnzoo.modeling.attention.lsh_hashing import (
     default_bucket_factors,
     hash_buckets,
     inverse_permutation,
+    most_recent_in_bucket,
     normalize_keys,
-    recent_keys_by_bucket,
     sort_by_bucket,
 )
 from attnzoo.modeling.cache import StaticTokenBufferLayer, TokenBufferLayer
@@ -57,6 +58,24 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         rows = (b * heads + h) * length + index
         flat = x.reshape(-1, dim)
     return flat.index_select(0, rows.reshape(-1)).view(*index.shape, dim)
+
+
+def grouped_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of `store` [B, kv_heads, N, d], flattened to [B * kv_heads * N, d], that each query head reads at
+    `index` [B, H, ...] (head h reads key/value head h // (H / kv_heads)): a flat index for `index_select`."""
+    batch, kv_heads, length = store.shape[:3]
+    heads = index.shape[1]
+    group = torch.arange(heads, device=index.device)[None, :, None] // (heads // kv_heads)
+    row = torch.arange(batch, device=index.device)[:, None, None] * kv_heads + group
+    return (row * length + index.flatten(2)).reshape(-1)
+
+
+def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """store [B, kv_heads, N, d] read at index [B, H, n] for each query head -> [B, H, n, d], without repeating the
+    store. Whole rows are copied (`index_select` over the flattened store): an element-wise `gather` with the index
+    expanded over d was several times slower."""
+    rows = grouped_rows(store, index)
+    return store.reshape(-1, store.shape[-1]).index_select(0, rows).view(*index.shape[:2], -1, store.shape[-1])
 
 
 class LSHBuckets:
@@ -118,8 +137,33 @@ class LSHBuckets:
         shape = (1 if shared else batch, self.num_heads, num_hashes, self.head_dim, sum(f // 2 for f in factors))
         if seed is None:
             return torch.randn(shape, device=device)
-        rotations = counter_normal(seed + self.layer_idx, shape, device)
+        rotations = self._seeded_rotations(seed + self.layer_idx, shape, torch.device(device))
         return rotations.expand(batch, -1, -1, -1, -1) if shared else rotations
+
+    def _seeded_rotations(self, seed: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """`counter_normal(seed, shape)`, kept from the last call in evaluation: decoding draws the evaluation
+        rotations again at every step rather than storing them per sequence, and the draw (a hash and a Box-Muller
+        transform of every entry) took most of a decoding step's time. Not kept in training (a new seed per forward
+        with `lsh_hash_seed` unset) or while compiling (a compiled step computes it in its graph); an inference-mode
+        draw is kept apart from a normal one, which autograd may save."""
+        if self.training or torch.compiler.is_compiling():
+            return counter_normal(seed, shape, device)
+        key = (seed, shape, device, torch.is_inference_mode_enabled())
+        kept = getattr(self, "_kept_rotations", None)
+        if kept is None or kept[0] != key:
+            kept = self._kept_rotations = (key, counter_normal(seed, shape, device))
+        return kept[1]
+
+    def rotations_recomputable(self) -> bool:
+        """Whether the rotations are a function of the seed alone (evaluation with `eval_seed`, no `lsh_hash_seed`):
+        decoding then draws them again instead of keeping them (at 1,024 buckets they are larger than the keys of
+        the first thousands of tokens)."""
+        return self.hash_seed is None and self.rotation_seed() is not None
+
+    def bucket_index_dtype(self) -> torch.dtype:
+        """The smallest integer dtype that holds every bucket index, the padding bucket included (what a decoding
+        cache stores per key and round)."""
+        return torch.int16 if math.prod(self.bucket_factors()) < torch.iinfo(torch.int16).max else torch.int32
 
     def hash_vectors(self, qk, rotations, factors, valid) -> torch.Tensor:
         """[B, H, R, L] buckets of the shared-QK vectors; padded positions (valid False) get the extra bucket."""
@@ -203,7 +247,16 @@ class LSHBuckets:
 
 @register_attention("lsh")
 class LSHAttention(LSHBuckets, ChunkedAttention):
-    """Shared-QK multi-round LSH self-attention; see the module docstring."""
+    """Shared-QK multi-round LSH self-attention; see the module docstring. With `lsh_shared_qk=False` the layer built
+    is `lsh_window.SeparateQKLSHAttention` (separate queries and keys, causal layers)."""
+
+    def __new__(cls, config, layer_idx: int, causal: bool):
+        if cls is LSHAttention and not config.lsh_shared_qk:
+            # imported here: lsh_window builds on this module
+            from attnzoo.modeling.attention.lsh_window import SeparateQKLSHAttention
+
+            return SeparateQKLSHAttention(config, layer_idx, causal)
+        return super().__new__(cls)
 
     def __init__(self, config, layer_idx: int, causal: bool):
         super().__init__(config, layer_idx, causal, chunk_length=config.lsh_chunk_length,
@@ -213,20 +266,16 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
         self.query_key, self.value = self.projection(), self.projection(key_value=True)
         self.output = self.projection(into_heads=False)
         self.read_lsh_settings(config)
-        if not config.lsh_shared_qk:
-            raise ValueError("lsh_shared_qk=False is available in 'lsh_window' layers (separate queries and keys, "
-                             "their window exact), not yet in plain 'lsh' ones; use attn_layers=['lsh_window'] or "
-                             "lsh_shared_qk=True.")
         threshold = config.lsh_full_attention_threshold
         self.full_attention_threshold = self.chunk_length if threshold is None else threshold
 
     def _project(self, hidden_states, position_ids=None, past: int = 0):
         """The shared query-key vectors (rotated in rotary models, before hashing: buckets then group vectors that
-        are close in content and position alike) and the values, repeated for their query-head groups."""
+        are close in content and position alike) and the values, one per key-value head (`expand_kv` repeats them
+        for their query-head groups where they are attended; the decoding cache keeps them unrepeated)."""
         qk = self.split_heads(self.query_key(hidden_states))
         qk = self.rotate(qk, self.rotation(position_ids, past, qk.shape[2], qk.device, qk.dtype))
-        return qk, self.expand_kv(self.split_heads(self.value(hidden_states)))
-
+        return qk, self.split_heads(self.value(hidden_states))
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):
@@ -240,8 +289,9 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
 
     def _attend(self, qk, v, key_mask, recompute, cache):
         """Attention over a whole sequence (no cached prefix); fills `cache` (prefill) when given."""
-        batch, _, length, _ = qk.shape
+        batch, heads, length, _ = qk.shape
         full = length <= self.full_attention_threshold
+        grouped_v, v = v, self.expand_kv(v)
         if full and cache is None:
             return self.full_attention(qk, v, key_mask)
         replaying = recompute is not None and recompute.replaying
@@ -263,10 +313,13 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
             if recompute is not None:
                 recompute.saved.update(buckets=buckets, order=order)
             if cache is not None:
-                buckets_real = buckets[..., :length]
-                cache.start({"keys": (qk, 2), "values": (v, 2), "buckets": (buckets_real, 3),
-                             "valid": (valid[:, :length], 1)}, rotations=rotations,
-                            recent=recent_keys_by_bucket(buckets_real, math.prod(factors), self.recent_size),
+                # What a KV cache holds (keys and unrepeated values) plus each key's buckets as small indices
+                # [B, H * R, L]; the rotations only when decoding cannot draw them again from the seed.
+                buckets_real = buckets[..., :length].reshape(batch, heads * buckets.shape[2], length)
+                sequence = {} if self.rotations_recomputable() else {"rotations": rotations}
+                cache.start({"keys": (qk, 2), "values": (grouped_v, 2),
+                             "buckets": (buckets_real.to(self.bucket_index_dtype()), 2),
+                             "valid": (valid[:, :length], 1)}, **sequence,
                             lead=(valid[:, :length].long().cumsum(-1) == 0).sum(-1))
         if full:
             return self.full_attention(qk, v, key_mask)
@@ -321,17 +374,14 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
 
     # -- decoding -------------------------------------------------------------------------------------------
     def new_cache_layer(self):
-        return TokenBufferLayer(derived_from_tokens=("recent",))
+        return TokenBufferLayer()
 
     def new_static_cache_layer(self, max_cache_len: int):
-        return StaticTokenBufferLayer(max_cache_len, derived_from_tokens=("recent",))
+        return StaticTokenBufferLayer(max_cache_len)
 
     def _decode(self, qk, v, new_mask, cache: TokenBufferLayer) -> torch.Tensor:
         """Attention of new tokens over the cache. Several new tokens (a step of assisted decoding) run one after
-        the other, since each must see the ones before it in its bucket lists; generate() sends one."""
-        if "recent" not in cache.sequence:  # dropped by a crop: rebuild it from the stored buckets
-            cache.sequence["recent"] = recent_keys_by_bucket(cache.written_tokens("buckets"),
-                                                             math.prod(self.bucket_factors()), self.recent_size)
+        the other, since each must see the ones before it in its buckets; generate() sends one."""
         outs = []
         for i in range(qk.shape[2]):
             valid = new_mask[:, i:i + 1] if new_mask is not None else self.all_real(None, qk.shape[0], 1, qk.device)
@@ -339,11 +389,11 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
         return torch.cat(outs, dim=2)
 
     def _decode_one(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
-        """One new token: join its buckets' recent lists, then attend to its own key and to the recent keys of its
-        bucket in every round (a softmax over the union with the duplicate correction)."""
+        """One new token: find the recent keys of its buckets, then attend to its own key and to those keys in every
+        round (a softmax over the union with the duplicate correction)."""
         batch, heads, _, _ = qk.shape
         t = new_token_index(cache, qk.device)
-        listed = self.join_bucket_lists(qk, v, valid, cache)
+        listed = self.join_buckets(qk, v, valid, cache)
         out = self._attend_to_cached(qk, listed.reshape(batch, heads, -1), t, cache, self.duplicate_correction)
         threshold = self.full_attention_threshold
         # The first `threshold` real positions of a row attend fully (as the forward does). A row's first real token
@@ -358,35 +408,38 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
             out = torch.where((t - lead < threshold)[:, None, None, None], full, out)
         return out
 
-    def join_bucket_lists(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
-        """Hash one new token (cache index t) with the cached rotations, add it to its buckets' recent lists and
-        to the cache; returns [B, H, R, K + 1]: the cache indices of the K most recent keys of its bucket in every
-        round before it (-1 where there are fewer), then t itself."""
+    def join_buckets(self, qk, v, valid, cache: TokenBufferLayer) -> torch.Tensor:
+        """Hash one new token (cache index t) with the prefill's rotations, find the K most recent earlier keys of
+        its bucket in every round among the cached buckets, and add the token to the cache; returns [B, H, R, K + 1]:
+        their cache indices (-1 where there are fewer), then t itself. With the "bucket" window these are exactly
+        the keys the full forward lists for the token: in the (bucket, position) order a causal query's window
+        reaches K slots back, which inside its bucket are its K most recent bucket-mates."""
         batch, heads, _, _ = qk.shape
         t = new_token_index(cache, qk.device)
         factors = self.bucket_factors()
-        buckets = hash_buckets(qk, cache.sequence["rotations"], factors)  # [B, H, R, 1]
+        rotations = cache.sequence.get("rotations")
+        if rotations is None:
+            rotations = self.draw_rotations(batch, self.num_hashes, factors, qk.device)
+        buckets = hash_buckets(qk, rotations, factors)  # [B, H, R, 1]
         buckets = buckets.masked_fill(~valid[:, None, None, :], math.prod(factors))
-        # Every token joins its buckets' recent lists, also while attention is still full, for the later tokens.
-        recent = cache.sequence["recent"]
-        rounds, k = buckets.shape[2], self.recent_size
-        bucket_rows = buckets[..., None].expand(batch, heads, rounds, 1, k)
-        previous = recent.gather(3, bucket_rows)  # [B, H, R, 1, K], before this token is added
-        recent.scatter_(3, bucket_rows, torch.cat(
-            [previous[..., 1:], t.expand(batch, heads, rounds, 1, 1)], dim=-1))
-        cache.append(keys=qk, values=v, buckets=buckets, valid=valid)
-        return torch.cat([previous[:, :, :, 0], t.expand(batch, heads, rounds, 1)], dim=-1)
+        rounds = buckets.shape[2]
+        stored = cache.tokens("buckets")
+        previous = most_recent_in_bucket(stored.view(batch, heads, rounds, stored.shape[-1]), buckets, t,
+                                         self.recent_size)
+        cache.append(keys=qk, values=v, buckets=buckets.reshape(batch, heads * rounds, 1).to(stored.dtype),
+                     valid=valid)
+        return torch.cat([previous, t.expand(batch, heads, rounds, 1)], dim=-1)
 
     def _attend_to_cached(self, qk, index, t, cache: TokenBufferLayer, correction: bool) -> torch.Tensor:
         """Shared-QK attention of the new token (cache index t) over the cached keys at `index` [B, H, n] (-1: none),
         its own key penalised; with `correction`, a key listed in several rounds counts once: log(number of rounds
-        listing it) (Appendix A)."""
+        listing it) (Appendix A). The values are read from their key-value head (`gather_grouped`)."""
         dim = qk.shape[-1]
         safe = index.clamp(min=0)
         present = (index >= 0) & cache.tokens("valid").gather(1, safe.flatten(1)).view_as(safe)
-        gather = safe[..., None].expand(-1, -1, -1, dim)
-        keys = cache.tokens("keys").gather(2, gather)
-        values = cache.tokens("values").gather(2, gather)
+        keys = cache.tokens("keys").gather(2, safe[..., None].expand(-1, -1, -1, dim))
+        # the whole buffer (its spare rows are never indexed): a view of its first tokens would be copied to flatten
+        values = gather_grouped(cache.buffers["values"], safe)
         scores = (qk @ normalize_keys(keys).transpose(-1, -2)).squeeze(2)  # [B, H, n]
         masked_value, self_value = mask_values(scores.dtype)
         if correction:
@@ -407,6 +460,7 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
         batch, length, _ = hidden_states.shape
         key_mask = check_attention_mask(attention_mask, batch, length)
         qk, v = self._project(hidden_states, position_ids)
+        v = self.expand_kv(v)
         valid = self.all_real(key_mask, batch, length, qk.device)
         keys = normalize_keys(qk)
         scores = qk @ keys.transpose(-1, -2)  # [B, H, L, L]

@@ -1,6 +1,6 @@
 """Angular locality-sensitive hashing for the Reformer's LSH attention ("Reformer: The Efficient Transformer",
-arXiv 2001.04451, §2): bucket counts, hashing, the (bucket, position) sort, and the index of each bucket's most
-recent keys that cached decoding reads."""
+arXiv 2001.04451, §2): bucket counts, hashing, the (bucket, position) sort, and the search for a bucket's most
+recent keys that cached decoding does."""
 
 from __future__ import annotations
 
@@ -62,17 +62,13 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, slots)
 
 
-def recent_keys_by_bucket(buckets: torch.Tensor, num_buckets: int, keep: int) -> torch.Tensor:
-    """[B, H, R, num_buckets + 1, keep] positions of each bucket's `keep` most recent keys, oldest first, -1 where
-    there are fewer, from [B, H, R, L] buckets (bucket `num_buckets` holds padding)."""
-    batch, heads, rounds, length = buckets.shape
-    k, num = keep, num_buckets + 1
-    order = sort_by_bucket(buckets)
-    sorted_buckets = buckets.gather(-1, order).contiguous()
-    bucket_end = torch.searchsorted(sorted_buckets, sorted_buckets, right=True)
-    from_end = bucket_end - 1 - torch.arange(length, device=buckets.device)
-    kept = from_end < k
-    column = torch.where(kept, sorted_buckets * k + (k - 1 - from_end), num * k)  # num * k: a dropped slot
-    recent = buckets.new_full((batch, heads, rounds, num * k + 1), -1)
-    recent.scatter_(-1, column, torch.where(kept, order, -1))
-    return recent[..., :-1].reshape(batch, heads, rounds, num, k)
+def most_recent_in_bucket(stored: torch.Tensor, buckets: torch.Tensor, before, keep: int) -> torch.Tensor:
+    """[B, H, R, min(keep, N)] positions of the `keep` most recent keys before position `before` (a 0-d tensor or
+    [B, 1, 1, 1]) whose bucket in a round is the new token's `buckets` [B, H, R, 1], most recent first, -1 where
+    there are fewer; `stored` [B, H, R, N] holds every cached key's buckets by position. One comparison per cached
+    key and round (O(R * N) per token) instead of per-bucket lists of recent keys: an [R, buckets, keep] table per
+    head whatever the length, which at the Reformer's default bucket count held more than the keys and values of the
+    first thousands of tokens (4.3x a KV cache at 1,024 tokens)."""
+    slots = torch.arange(stored.shape[-1], device=stored.device)
+    listed = torch.where((stored == buckets) & (slots < before), slots, -1)
+    return listed.topk(min(keep, listed.shape[-1]), dim=-1).values

@@ -44,8 +44,14 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
-from attnzoo.modeling.attention.lsh import LSHBuckets
-from attnzoo.modeling.attention.lsh_hashing import hash_buckets, inverse_permutation, normalize_keys, sort_by_bucket
+from attnzoo.modeling.attention.lsh import LSHBuckets, gather_grouped, grouped_rows
+from attnzoo.modeling.attention.lsh_hashing import (
+    hash_buckets,
+    inverse_permutation,
+    most_recent_in_bucket,
+    normalize_keys,
+    sort_by_bucket,
+)
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
 from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, normalised_far, register_far_part
 from attnzoo.modeling.cache import write_at_rows
@@ -71,24 +77,6 @@ class FarKeyMask(ChunkMask):
         key_positions = self.neighbours(self.positions, -1).unsqueeze(-2)  # [N, C, 1, W]; -1 past the ends
         far = beyond_window(self.positions.unsqueeze(-1), key_positions, self.window_size, self.sinks)
         return super().disallowed() | ~far
-
-
-def grouped_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The rows of `store` [B, kv_heads, N, d], flattened to [B * kv_heads * N, d], that each query head reads at
-    `index` [B, H, ...] (head h reads key/value head h // (H / kv_heads)): a flat index for `index_select`."""
-    batch, kv_heads, length = store.shape[:3]
-    heads = index.shape[1]
-    group = torch.arange(heads, device=index.device)[None, :, None] // (heads // kv_heads)
-    row = torch.arange(batch, device=index.device)[:, None, None] * kv_heads + group
-    return (row * length + index.flatten(2)).reshape(-1)
-
-
-def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """store [B, kv_heads, N, d] read at index [B, H, n] for each query head -> [B, H, n, d], without repeating the
-    store. Whole rows are copied (`index_select` over the flattened store): an element-wise `gather` with the index
-    expanded over d was several times slower."""
-    rows = grouped_rows(store, index)
-    return store.reshape(-1, store.shape[-1]).index_select(0, rows).view(*index.shape[:2], -1, store.shape[-1])
 
 
 @register_far_part("lsh")
@@ -137,11 +125,6 @@ class LSHFarPart(LSHBuckets, FarPart):
         return logits if self.shared_qk else logits * self.scale
 
     # -- hashing ----------------------------------------------------------------------------------------------------
-    def _rotations_recomputable(self) -> bool:
-        """Whether the rotations are a function of the seed alone (evaluation with `eval_seed`): decoding then draws
-        them again instead of keeping them."""
-        return self.hash_seed is None and self.rotation_seed() is not None
-
     def _hash_keys(self, k, rotations, factors, valid):
         """Key buckets [B, H, R, L]: separate keys are hashed per query head, with that head's rotations."""
         return self.hash_vectors(self.layer.expand_kv(k), rotations, factors, valid)
@@ -334,11 +317,11 @@ class LSHFarPart(LSHBuckets, FarPart):
         """Every key's buckets (as [B, H * R, L] indices), the keys and values that have left the window (positions
         below L - W; the ring holds the rest) and, unless decoding can draw them again, the rotations."""
         batch, heads, rounds, length = key_buckets.shape
-        dtype = torch.int16 if math.prod(self.bucket_factors()) < torch.iinfo(torch.int16).max else torch.int32
+        dtype = self.bucket_index_dtype()
         gone = max(length - self.layer.window_size, 0)
         state.state.update(lsh_buckets=key_buckets.reshape(batch, heads * rounds, length).to(dtype),
                            lsh_keys=k[:, :, :gone], lsh_values=v[:, :, :gone])
-        if not self._rotations_recomputable():
+        if not self.rotations_recomputable():
             state.state["lsh_rotations"] = rotations
 
     def step(self, state, q, k, v, real, position, leaving):
@@ -358,9 +341,7 @@ class LSHFarPart(LSHBuckets, FarPart):
             hash_buckets(self.layer.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
         seen = state.get_seq_length()  # tokens so far (padding included): a host bound on every position
         buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
-        slots = torch.arange(buckets.shape[-1], device=q.device)  # stored positions
-        listed = torch.where((buckets == query_buckets) & (slots < position[:, None, None, None]), slots, -1)
-        candidates = listed.topk(min(self.recent_size, listed.shape[-1]), dim=-1).values  # most recent first
+        candidates = most_recent_in_bucket(buckets, query_buckets, position[:, None, None, None], self.recent_size)
         stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
                                               key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),
                                               seen + 1, spare=False)
@@ -410,3 +391,31 @@ class LSHFarPart(LSHBuckets, FarPart):
         keys = normalize_keys(k) if self.shared_qk else self.layer.expand_kv(k)
         logits = (q @ keys.transpose(-1, -2)) * self.scale + rounds_listing.to(q.dtype).log()
         return normalised_far(logits.masked_fill(~listed, float("-inf")), self.layer.expand_kv(v))
+
+
+class SeparateQKLSHAttention(LSHFarPart.layer_class):
+    """The "lsh" attention with `lsh_shared_qk=False` (what `LSHAttention` builds then): separate query and key
+    projections, as a pretrained model has them, hashed apart with the same rotations. Each query attends, under one
+    softmax of q·k / √d, to its own key and, in every round, to the K = lsh_num_chunks_before · lsh_chunk_length
+    most recent earlier keys of its bucket. That is `lsh_window` with a window of one token (the query's own key, so
+    no query is left without a key) and no sinks, so it shares its parallel, decoding and reference forms
+    (docs/lsh_attention.md, §7): decoding keeps a KV cache's keys and values plus the buckets as indices. Causal
+    layers only (a key is hashed apart from its query, and only the earlier keys of a bucket are listed).
+    `lsh_full_attention_threshold` is the shared-QK layers' rule for queries with few keys besides their own, which
+    is penalised there; here a query's own key counts, so the threshold must be 0 (or None)."""
+
+    name = "lsh"
+    family_config = "ZooReformerSettings"
+
+    def __init__(self, config, layer_idx: int, causal: bool):
+        if not causal:
+            raise ValueError("lsh_shared_qk=False: separate-QK 'lsh' layers are for causal (decoder) layers, since a "
+                             "query lists only the earlier keys of its bucket; in encoders set lsh_shared_qk=True.")
+        if config.lsh_full_attention_threshold not in (None, 0):
+            raise ValueError(f"lsh_full_attention_threshold={config.lsh_full_attention_threshold!r} is invalid with "
+                             "lsh_shared_qk=False in 'lsh' layers: the threshold gives queries full attention where "
+                             "shared QK leaves them few keys besides their own (which it penalises); with separate "
+                             "queries and keys every query attends to its own key, so set "
+                             "lsh_full_attention_threshold=0 (or None).")
+        super().__init__(config, layer_idx, causal)
+        self.window_size, self.sinks = 1, 0  # the near part is the query's own key

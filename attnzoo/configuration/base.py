@@ -31,7 +31,7 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
 #: how a layer's far part sees positions, and how its queries may scale (attnzoo/modeling/attention/far_positions.py)
-FAR_POSITIONS = ("rotary", "none")
+FAR_POSITIONS = ("rotary", "none", "fixed")
 FAR_QUERY_SCALES = ("log", "learned")
 #: the fields of `ZooWindowSettings` (configuration/window.py), which every family's config had before
 WINDOW_SETTINGS = ("window_size", "num_sink_tokens")
@@ -170,13 +170,17 @@ class ZooConfig(PreTrainedConfig):
             "RoFormer", arXiv 2104.09864: q and k of every attention are rotated by position before the attention's
             own mechanism; no position is added to the embeddings and no length limit applies) or "none".
         far_positions: per layer (a shorter list repeats), how the layer's far (global) part sees positions in rotary
-            models: "rotary" (the default) or "none" (the queries and keys before rotation: a windowed layer's far
+            models: "rotary" (the default), "none" (the queries and keys before rotation: a windowed layer's far
             part, or a whole "full" layer, which becomes a global layer without positions; the iRoPE / RNoPE-SWA
             pattern is e.g. `attn_layers=[lsh_window, lsh_window, lsh_window, full]` with
-            `far_positions=[rotary, rotary, rotary, none]`). Only windowed attentions and "full" have such a part.
-        far_query_scale / far_query_scale_length: scaling of the queries of the far parts without positions with
-            the log of the position: None, "log" (Llama 4's 1 + 0.1 ln(floor((p + 1) / far_query_scale_length) + 1))
-            or "learned" (scalable-softmax's s ln(p + 1), s per head). See attnzoo/modeling/attention/far_positions.py.
+            `far_positions=[rotary, rotary, rotary, none]`) or "fixed" (windowed layers: every far key read at the
+            distance `window_size`, the nearest a far key can be, as InfLLM and LM-Infinite read a pretrained
+            model's far keys, so no far key meets a rotary distance the model did not train on). Only windowed
+            attentions and "full" have such a part.
+        far_query_scale / far_query_scale_length: scaling of the queries of the far parts without rotary distances
+            ("none" or "fixed") with the log of the position: None, "log" (Llama 4's
+            1 + 0.1 ln(floor((p + 1) / far_query_scale_length) + 1)) or "learned" (scalable-softmax's s ln(p + 1),
+            s per head). See attnzoo/modeling/attention/far_positions.py.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
             (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
@@ -289,15 +293,15 @@ class ZooConfig(PreTrainedConfig):
         if len(entries) > max(self.num_hidden_layers, self.num_decoder_layers or 0):
             fail("far_positions", entries, f"it lists {len(entries)} entries for {self.num_hidden_layers} layers; give "
                                            "at most one per layer.")
-        if "none" in entries and self.position_embedding_type != "rotary":
-            fail("far_positions", entries, "a far part without positions drops the rotation of rotary models, but "
+        if {"none", "fixed"} & set(entries) and self.position_embedding_type != "rotary":
+            fail("far_positions", entries, "'none' and 'fixed' change how the far part reads rotary positions, but "
                                            f"position_embedding_type={self.position_embedding_type!r}; set "
                                            "position_embedding_type='rotary' or far_positions=['rotary'].")
         check_choice(self, "far_query_scale", (None, *FAR_QUERY_SCALES))
-        if self.far_query_scale is not None and "none" not in entries:
-            fail("far_query_scale", self.far_query_scale, "it scales the queries of far parts without positions, and "
-                                                          "no layer has one; set far_positions (e.g. ['none']) or "
-                                                          "far_query_scale=None.")
+        if self.far_query_scale is not None and not {"none", "fixed"} & set(entries):
+            fail("far_query_scale", self.far_query_scale, "it scales the queries of far parts without rotary "
+                                                          "distances, and no layer has one; set far_positions (e.g. "
+                                                          "['none'] or ['fixed']) or far_query_scale=None.")
         check_positive_ints(self, ("far_query_scale_length",))
 
     def _fit_layout(self, name: str, depth_name: str) -> list[str]:

@@ -59,11 +59,12 @@ def left_padded(length=19, pad=5):
     return x, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@pytest.mark.parametrize("positions", ["none", "fixed"])
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", list(WINDOWED))
-def test_far_parts_without_positions_equal_their_dense_reference_with_padding(name, scale):
+def test_far_parts_without_positions_equal_their_dense_reference_with_padding(name, scale, positions):
     kind, settings = WINDOWED[name]
-    attn = layer(kind, settings, far_query_scale=scale)
+    attn = layer(kind, settings, far_query_scale=scale, far_positions=[positions])
     x, mask, positions = left_padded()
     fast = attn(x, attention_mask=mask, position_ids=positions)
     reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
@@ -73,12 +74,13 @@ def test_far_parts_without_positions_equal_their_dense_reference_with_padding(na
     torch.testing.assert_close(fast[1, 5:], alone[0], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("positions", ["none", "fixed"])
 @pytest.mark.parametrize("name", list(WINDOWED))
-def test_only_the_far_part_loses_the_rotation(name):
+def test_only_the_far_part_loses_the_rotation(name, positions):
     """Queries with no far key (real positions below window + sinks) get what the rotary layer gives them; later
     ones differ; and shifting every position changes the window's rotations, so the outputs move with it."""
     kind, settings = WINDOWED[name]
-    plain, rotary = layer(kind, settings), layer(kind, settings, far_positions=["rotary"])
+    plain, rotary = layer(kind, settings, far_positions=[positions]), layer(kind, settings, far_positions=["rotary"])
     rotary.load_state_dict(plain.state_dict())
     x, mask, positions = left_padded()
     with torch.no_grad():
@@ -89,13 +91,14 @@ def test_only_the_far_part_loses_the_rotation(name):
     assert (ours - theirs)[mask & (positions >= 6)].abs().amax(-1).max() > 1e-4
 
 
+@pytest.mark.parametrize("positions", ["none", "fixed"])
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", list(WINDOWED))
-def test_cached_decoding_equals_the_full_forward(name, scale):
+def test_cached_decoding_equals_the_full_forward(name, scale, positions):
     kind, settings = WINDOWED[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_query_scale=scale,
-                                                    **settings)).double().eval()
+                                                    far_positions=[positions], **settings)).double().eval()
     cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
     assert "window_far_k" in cache.layers[0].state  # the window keeps the keys as the far part sees them, to hand over
 
@@ -199,9 +202,36 @@ def test_the_log_scale_trains_as_no_scale_on_blocks_of_its_length(name):
             assert (scaled - plain).abs() > 1e-9
 
 
+def test_fixed_far_positions_read_every_far_key_at_the_window_distance():
+    """The far view's q . k is rotary's score of the pair at distance W, wherever the pair is; the near part is the
+    rotary layer's."""
+    attn = layer("lsh_window", {"lsh_shared_qk": False}, far_positions=["fixed"])
+    q, k = torch.randn(1, 4, 19, 8, dtype=torch.float64), torch.randn(1, 4, 19, 8, dtype=torch.float64)
+    positions = torch.arange(19)[None]
+    q_far, k_far = attn.far_view(q, k, None, None, positions)
+    window = attn.window_size
+    for query, key in [(18, 0), (10, 3), (6, 2)]:
+        at_query = attn.rotate(q[:, :, query:query + 1], attn.rotary(torch.tensor([[query + 100]]), q.dtype))
+        at_window_before = attn.rotate(k[:, :, key:key + 1], attn.rotary(torch.tensor([[query + 100 - window]]),
+                                                                         k.dtype))
+        # the rotary tables are float32 (as the source model's), whose angles at other positions round differently
+        torch.testing.assert_close(q_far[:, :, query] @ k_far[:, :, key].transpose(-1, -2),
+                                   at_query[:, :, 0] @ at_window_before[:, :, 0].transpose(-1, -2),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_far_positions_need_a_windowed_layer_with_a_far_part():
+    with pytest.raises(ValueError, match=r"layer 0 \('full'\) has no window beside a far part.*'rotary' or 'none'"):
+        build_attention("full", config(far_positions=["fixed"]), 0, True)
+    with pytest.raises(ValueError, match=r"layer 0 \('window'\) has no window beside a far part"):
+        build_attention("window", config(far_positions=["fixed"]), 0, True)
+
+
 @pytest.mark.parametrize("values, field, message", [
     ({"far_positions": ["nope"]}, "far_positions", "list one of"),
     ({"far_positions": ["none"], "position_embedding_type": "learned"}, "far_positions",
+     "position_embedding_type='rotary'"),
+    ({"far_positions": ["fixed"], "position_embedding_type": "learned"}, "far_positions",
      "position_embedding_type='rotary'"),
     ({"far_positions": ["rotary"], "far_query_scale": "log"}, "far_query_scale", "no layer has one"),
     ({"far_query_scale": "cubic"}, "far_query_scale", "cubic"),

@@ -100,10 +100,16 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid: attention {kind!r} reads "
                          f"the settings of {' and '.join(missing)}, which {type(config).__name__} does not have; "
                          f"build the model with a config that has them: {', '.join(configs_having(config, required))}.")
-    if far_positions_of(config, layer_idx) == "none" and not cls.position_free_far_part:
+    far_positions = far_positions_of(config, layer_idx)
+    if far_positions == "none" and not cls.position_free_far_part:
         raise ValueError(f"far_positions={list(config.far_positions)!r} is invalid: layer {layer_idx} ({kind!r}) has "
                          "no far part that can do without positions (only the windowed attentions and 'full' have "
                          "one); give that layer 'rotary'.")
+    if far_positions == "fixed" and not (cls.position_free_far_part and getattr(cls, "far_part_class", None)):
+        raise ValueError(f"far_positions={list(config.far_positions)!r} is invalid: layer {layer_idx} ({kind!r}) has "
+                         "no window beside a far part, and 'fixed' reads every far key at the window's distance "
+                         "(only the windowed attentions with a far part have one); give that layer 'rotary' or "
+                         "'none'.")
     if getattr(config, "position_embedding_type", None) == "rotary" and \
             "position_ids" not in inspect.signature(cls.forward).parameters:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
@@ -163,7 +169,7 @@ class ZooAttention(nn.Module):
         rotary = getattr(config, "position_embedding_type", None) == "rotary"
         self.rotary = RotaryEmbedding(config, self.head_dim) if rotary else None
         self.far_positions = far_positions_of(config, layer_idx) if self.position_free_far_part else "rotary"
-        scale = getattr(config, "far_query_scale", None) if self.far_positions == "none" else None
+        scale = getattr(config, "far_query_scale", None) if self.far_positions in ("none", "fixed") else None
         self.far_query_scale = None if scale is None else FarQueryScale(
             scale, self.num_heads, config.far_query_scale_length, config.max_position_embeddings)
 
@@ -195,10 +201,16 @@ class ZooAttention(nn.Module):
 
     def far_view(self, q, k, q_rotated, k_rotated, position_ids, past: int = 0):
         """(q, k) as the module's far part sees them, from the queries and keys before and after rotation: rotated
-        ("rotary"), or not ("none"), with the queries scaled by `far_query_scale` at their positions (`position_ids`,
-        real positions, or `past, past + 1, ...`). Returns the rotated tensors themselves when nothing changes."""
+        ("rotary"); not ("none"); or "fixed": the keys not rotated and every query rotated as if at position
+        `window_size`, so that rotary's relative rotation puts every far key at distance `window_size` from its
+        query (q R(W) · k R(0) = q R(p) · k R(p - W) for any p). The queries of "none" and "fixed" are scaled by
+        `far_query_scale` at their positions (`position_ids`, real positions, or `past, past + 1, ...`). Returns the
+        rotated tensors themselves when nothing changes."""
         if self.far_positions == "rotary":
             return q_rotated, k_rotated
+        if self.far_positions == "fixed":
+            at_window = torch.full((1, q.shape[2]), self.window_size, dtype=torch.long, device=q.device)
+            q = self.rotate(q, self.rotary(at_window, q.dtype))
         if self.far_query_scale is None:
             return q, k
         if position_ids is None:

@@ -7,11 +7,18 @@ RNoPE-SWA ("Rope to Nope and Back Again", arXiv 2501.18795) and SWAN-GPT (arXiv 
 
 - "rotary" (the default): the far part sees the rotated queries and keys, as the near part does;
 - "none": the far part hashes, features or scores the queries and keys before rotation (a windowed layer's exact
-  window keeps its rotary positions; a "full" layer becomes a global layer without positions).
+  window keeps its rotary positions; a "full" layer becomes a global layer without positions);
+- "fixed" (windowed layers): every far key is read at the distance `window_size`, the nearest a far key can be:
+  keys unrotated, queries rotated as if at position W. A pretrained rotary model then never meets a distance it did
+  not train on, without training: InfLLM ("InfLLM: Training-Free Long-Context Extrapolation for LLMs with an
+  Efficient Context Memory", arXiv 2402.04617, §3: far memory units read at the local window's distance) and
+  LM-Infinite ("LM-Infinite: Zero-Shot Extreme Length Generalization for Large Language Models", arXiv 2308.16137:
+  distances capped) read a model's far context so. Unlike "none" the far part keeps what rotary gives a pair at
+  that distance, which the model's heads were trained to read.
 
-Without positions, attention dilutes as the context grows (more keys share the mass; "Scalable-Softmax Is Superior
-for Attention", arXiv 2501.19399, and arXiv 2404.12224), so the far part's queries may be scaled with the log of the
-position p (counted in real tokens, from 0):
+Without positions (or with every far key at one distance), attention dilutes as the context grows (more keys share
+the mass; "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399, and arXiv 2404.12224), so the far part's
+queries may be scaled with the log of the position p (counted in real tokens, from 0):
 
 - "log": 1 + 0.1 · ln(floor((p + 1) / L0) + 1), L0 = `far_query_scale_length` (Llama 4's attention temperature
   tuning: 1 up to L0 tokens, then growing slowly);

@@ -32,7 +32,8 @@ on every call (`check_far_outputs`: shape comparisons on the host, no device syn
 is wrong, rather than failing, or broadcasting silently, inside `merge_far`.
 
 The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
-near part's, unless the layer's `far_positions` is "none" (then before rotation, the queries scaled as
+near part's, unless the layer's `far_positions` is "none" or "fixed" (then the keys before rotation, the queries
+before rotation or rotated as if at position W, and scaled as
 `far_query_scale` says; the ring then also keeps the window's keys as the far part sees them, to hand over as they
 leave). The layer projects, rotates and scores: separate q, k, v (q·k / √d), or, where the far part names a config
 field that asks for it (`shared_qk_field`: LSH's `lsh_shared_qk`), one shared query-key projection whose keys the

@@ -233,12 +233,17 @@ def seeded(seed: int):
 
 
 def load_text_tokenizer(src: str):
-    """SRC's tokenizer, to travel with the converted model, or None (with a warning) when SRC has none."""
+    """SRC's tokenizer, to travel with the converted model, or None (with a warning) when SRC has none. A GGUF
+    checkpoint's is built from the file's metadata (with its chat template) and saved as an ordinary tokenizer, so
+    the converted folder loads with `AutoTokenizer` and tools that read only saved folders (lm-eval)."""
     from transformers import AutoTokenizer
 
+    from attnzoo.training.model_source import gguf_checkpoint, load_gguf_tokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError) as error:  # weights without a tokenizer beside them
+        gguf = gguf_checkpoint(src, "SRC")
+        return load_gguf_tokenizer(gguf, "SRC") if gguf is not None else AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as error:  # weights without a tokenizer beside them, or one transformers cannot build
         logger.warning("no tokenizer copied from %s: %s", src, error)
         return None
 

@@ -2,10 +2,22 @@
 
     python -m attnzoo.convert.llama SRC DST --family performer [--model num_random_features=128 ...]
 
-SRC is a folder or a Hub id; DST receives the attnzoo model (`ZooXForCausalLM` for a `...ForCausalLM`, the base
-decoder `ZooXModel` for a `...Model`), SRC's tokenizer and generation config, and the model's own code, so it loads
-with `AutoModelForCausalLM` / `AutoTokenizer` (where attnzoo is not installed: with `trust_remote_code=True`) and
-fine-tunes with `scripts/train_lm.py --model_name_or_path DST`.
+SRC is a folder, a Hub id or a GGUF checkpoint (see below); DST receives the attnzoo model (`ZooXForCausalLM` for a
+`...ForCausalLM`, the base decoder `ZooXModel` for a `...Model`), SRC's tokenizer and generation config, and the
+model's own code, so it loads with `AutoModelForCausalLM` / `AutoTokenizer` (where attnzoo is not installed: with
+`trust_remote_code=True`) and fine-tunes with `scripts/train_lm.py --model_name_or_path DST`.
+
+GGUF checkpoints (llama.cpp's single-file format; `pip install 'attnzoo[gguf]'`): SRC is a `.gguf` file, or a folder
+holding exactly one `.gguf` and no config.json (a folder with several is refused: name the file; a folder with a
+config.json is read as a saved model). transformers' own GGUF loader reads it: the config from the file's metadata,
+the weights dequantised (a Q4_1 file converts to the Q4_1 model's function, in float32; the original unquantised
+weights are not recoverable from it), the tokenizer and chat template from the file's vocabulary, which DST gets as
+ordinary tokenizer files (tools that read only saved folders, such as lm-eval, take them). `--family softmax` gives
+what `AutoModelForCausalLM.from_pretrained(folder, gguf_file=NAME)` computes: the same logits and greedy text. GGUF
+files of Llama, Qwen2 and Mistral models convert; refused besides what is listed below: other architectures,
+settings transformers' loader does not read (`{arch}.rope.scaling.*`, sliding windows, experts, ...), tensors it
+skips (Llama 3.1's `rope_freqs.weight`, its rope scaling) and weights missing from the file. A Hub repository that
+holds only GGUF files: download the one to convert first (`hf download REPO FILE.gguf --local-dir DIR`).
 
 Supported sources (`ARCHITECTURES`): `LlamaForCausalLM` / `LlamaModel`, `Qwen2ForCausalLM` / `Qwen2Model` and
 `MistralForCausalLM` / `MistralModel`, with these config values:
@@ -31,7 +43,9 @@ activation the source's: those must match the source.
 
 Reformer conversions keep the family's layer pattern, alternating local and LSH attention; LSH layers share one
 query-key projection, which starts as the source's query projection (the key projection is dropped and reported),
-and their values keep the source's `num_key_value_heads` heads. `--model attn_layers=[lsh]` makes every layer LSH.
+and their values keep the source's `num_key_value_heads` heads. `--model lsh_shared_qk=false` keeps separate
+queries and keys instead (every projection carried; the layer attends to its own key and its buckets' recent keys,
+docs/lsh_attention.md §7). `--model attn_layers=[lsh]` makes every layer LSH.
 `--family hybrid` mixes kinds per layer (default: favor, favor, favor, full repeated; a source of fewer than four
 layers keeps its last layer softmax; `--model attn_layers=[local,full]` picks others; a list longer than the source's
 depth is refused). The converter prints which layers got which kind.
@@ -322,14 +336,18 @@ def convert(source, family: str = "softmax", overrides: dict | None = None, seed
 
 
 def load_source(src: str):
-    """The model class its config names (`ARCHITECTURES`) from a folder or Hub id, in eval mode; ValueError for a
-    config that does not map or weights the mapping does not know, before anything is converted."""
+    """The model class its config names (`ARCHITECTURES`) from a folder, a Hub id or a GGUF checkpoint
+    (`load_gguf_source`), in eval mode; ValueError for a config that does not map or weights the mapping does not
+    know, before anything is converted."""
     import transformers
     from transformers import AutoConfig
 
-    from attnzoo.training.model_source import reading_model_source
+    from attnzoo.training.model_source import gguf_checkpoint, reading_model_source
 
-    with reading_model_source(src, "SRC"):
+    gguf = gguf_checkpoint(src, "SRC")
+    if gguf is not None:
+        return load_gguf_source(src, gguf)
+    with reading_model_source(src, "SRC", takes_gguf=True):
         config = AutoConfig.from_pretrained(src)
     check_source_config(config)
     names = [a for a in (config.architectures or [CAUSAL_LM_CLASSES[config.model_type]]) if a in ARCHITECTURES]
@@ -346,14 +364,100 @@ def load_source(src: str):
     return model.eval()
 
 
+#: GGUF metadata (`{general.architecture}.NAME`) that transformers' GGUF loader reads into a Llama / Qwen2 / Mistral
+#: config; `gguf_settings_not_read` names any other
+GGUF_CONFIG_KEYS = ("context_length", "block_count", "feed_forward_length", "embedding_length", "vocab_size",
+                    "rope.dimension_count", "rope.freq_base", "attention.head_count", "attention.head_count_kv",
+                    "attention.layer_norm_rms_epsilon")
+#: llama.cpp's name of each per-layer tensor of a Llama / Qwen2 / Mistral GGUF -> the source module it fills
+GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+#: why a GGUF tensor the mapping does not take matters, where it is a known one
+GGUF_TENSOR_HINTS = {
+    "rope_freqs.weight": "per-frequency rope scaling factors (Llama 3.1's \"llama3\" rope scaling), which "
+                         "transformers' GGUF loader does not apply",
+}
+
+
+def gguf_settings_not_read(metadata: dict, config) -> list[str]:
+    """The `key=value` of every architecture setting of a GGUF file that transformers' loader leaves out of the
+    config (rope scaling, a sliding window, experts, ...) and that changes the function: the model it builds would
+    not compute what the file describes. Settings that restate the config (key/value widths of hidden / heads, zero
+    experts, rope scaling "none") pass."""
+    architecture = metadata["general.architecture"]
+    head_width = config.hidden_size // config.num_attention_heads
+    restated = {"attention.key_length": head_width, "attention.value_length": head_width, "expert_count": 0,
+                "expert_used_count": 0, "rope.scaling.type": "none"}
+    problems = []
+    for key, value in metadata.items():
+        name = key.removeprefix(f"{architecture}.")
+        if name == key or name in GGUF_CONFIG_KEYS or (name in restated and value == restated[name]):
+            continue
+        problems.append(f"{key}={value!r}")
+    return problems
+
+
+def gguf_tensor_names(model) -> set[str]:
+    """llama.cpp's names of the tensors a GGUF of `model` (a Llama / Qwen2 / Mistral causal LM) holds: the ones
+    transformers' GGUF loader fills it from."""
+    names = {"token_embd.weight", "output_norm.weight"}
+    if not model.config.tie_word_embeddings:
+        names.add("output.weight")
+    for index, layer in enumerate(model.model.layers):
+        for gguf_name, module_name in GGUF_LAYER_TENSORS.items():
+            module = layer.get_submodule(module_name)
+            names.update(f"blk.{index}.{gguf_name}.{kind}" for kind in ("weight", "bias")
+                         if getattr(module, kind, None) is not None)
+    return names
+
+
+def load_gguf_source(src: str, gguf):
+    """The causal LM of a GGUF checkpoint `gguf` (a llama.cpp file of a Llama, Qwen2 or Mistral model), read by
+    transformers' GGUF loader and dequantised (to float32, which the loader gives for quantised and float16 files
+    alike). ValueError before the weights are read for another architecture, a config that does not map or a
+    setting transformers' loader does not read, and after for a tensor it skipped or a weight it did not find."""
+    import transformers
+
+    from attnzoo.training.model_source import gguf_contents, load_gguf_config, load_gguf_model
+
+    metadata, tensors = gguf_contents(gguf)
+    config = load_gguf_config(gguf, "SRC")
+    if config.model_type not in CAUSAL_LM_CLASSES:
+        why = "" if config.model_type == "gpt2" else UNSUPPORTED_MODEL_TYPES.get(config.model_type, "")
+        raise ValueError(f"SRC {src}: {gguf.name} is a GGUF of a {config.model_type!r} model "
+                         f"(general.architecture={metadata.get('general.architecture')!r}); only GGUF files of "
+                         f"{sorted(CAUSAL_LM_CLASSES)} models convert{f' ({why})' if why else ''}. (attnzoo's other "
+                         "converters read saved folders and Hub ids, not GGUF files.)")
+    check_source_config(config)
+    not_read = gguf_settings_not_read(metadata, config)
+    if not_read:
+        raise ValueError(f"SRC {src}: {gguf.name} sets {not_read}, which transformers' GGUF loader does not read: "
+                         "the model it builds, and so the conversion, would not compute what the file describes. "
+                         "Convert the original checkpoint instead (a folder with config.json, or its Hub id).")
+    model_class = getattr(transformers, CAUSAL_LM_CLASSES[config.model_type])
+    model, missing = load_gguf_model(gguf, model_class, "SRC", config)
+    unknown = sorted(set(tensors) - gguf_tensor_names(model))
+    if unknown:
+        hints = "".join(f"; {name}: {GGUF_TENSOR_HINTS[name]}" for name in unknown if name in GGUF_TENSOR_HINTS)
+        raise ValueError(f"SRC {src}: {gguf.name} holds tensors the Llama mapping does not know: {unknown[:5]}"
+                         f"{hints}. transformers' GGUF loader skips them, so nothing was converted; convert the "
+                         "original checkpoint instead (a folder with config.json, or its Hub id).")
+    if missing:
+        raise ValueError(f"SRC {src}: {gguf.name} lacks weights of {model_class.__name__}: {missing[:5]}.")
+    return model.eval()
+
+
 def load_tokenizer(src: str):
     return load_text_tokenizer(src)
 
 
 def main(argv=None) -> None:
     text_converter_main(__doc__, "python -m attnzoo.convert.llama",
-                        "LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (or ...Model) checkpoint: a folder "
-                        "or a Hub id", load_source, convert, argv)
+                        "LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM (or ...Model) checkpoint: a folder, "
+                        "a Hub id, or a GGUF file (or a folder holding one)", load_source, convert, argv)
 
 
 if __name__ == "__main__":

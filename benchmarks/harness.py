@@ -136,3 +136,71 @@ def cache_state_bytes(cache) -> int:
     """Bytes a decoding cache holds: every tensor of every layer (its attributes, and their dicts and lists), what
     generation keeps per batch. A recurrent or windowed state stays the same size; a KV cache grows."""
     return sum(tensor_bytes(vars(layer)) for layer in cache.layers)
+
+
+def cpu_environment() -> dict:
+    """The versions and the machine a CPU benchmark's report names."""
+    import os
+    import platform
+
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": platform.processor() or
+            platform.machine(), "cores": os.cpu_count()}
+
+
+def measure_missing_rows(report: dict, jobs: list[dict], key: tuple[str, ...], measure_job, keep,
+                         remeasure: bool = False) -> None:
+    """Measure each job whose `key` fields have no row in `report["rows"]` yet (every job with `remeasure`), one
+    worker process each (`measure_job(job)`, run_worker's result: None when the worker failed, which leaves an
+    earlier row as it was), and after every row call `keep(report)`, so a stopped run keeps what it measured. A row
+    is the job's key fields and what the worker returned; it replaces the row with the same key."""
+    done = set() if remeasure else {tuple(r[k] for k in key) for r in report["rows"]}
+    for job in jobs:
+        job_key = tuple(job[k] for k in key)
+        if job_key in done:
+            continue
+        row = measure_job(job)
+        if row is None:
+            continue
+        row = {**dict(zip(key, job_key, strict=True)), **row}
+        print(json.dumps(row), flush=True)
+        report["rows"] = [r for r in report["rows"] if tuple(r[k] for k in key) != job_key] + [row]
+        keep(report)
+
+
+def rows_report_check(benchmark: str, *row_fields: str):
+    """The report check of a benchmark whose report is {"benchmark": its label, "setup": {...}, "rows": [...]},
+    each row holding `row_fields`: raises ValueError saying what does not fit (owned_outputs reads it)."""
+
+    def validate(report: dict) -> None:
+        if report.get("benchmark") != benchmark:
+            raise ValueError(f"it is not marked as a report of {benchmark}")
+        if not isinstance(report.get("rows"), list) or not isinstance(report.get("setup"), dict):
+            raise ValueError("it has no 'rows' list and 'setup' object")
+        for row in report["rows"]:
+            missing = set(row_fields) - set(row)
+            if missing:
+                raise ValueError(f"a row lacks {sorted(missing)}")
+
+    return validate
+
+
+def add_report_arguments(parser, committed) -> None:
+    """The arguments of a benchmark that measures its rows in worker processes into one report: the hidden
+    `--worker` (a job, as JSON), `--results` (default `committed`) and `--remeasure`."""
+    import argparse
+    from pathlib import Path
+
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--results", type=Path, default=committed)
+    parser.add_argument("--remeasure", action="store_true", help="measure every row, not only missing ones")
+
+
+def save_figure(fig, path) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -29,14 +29,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import cache_state_bytes, run_worker  # noqa: E402
+from harness import (  # noqa: E402
+    add_report_arguments,
+    cache_state_bytes,
+    cpu_environment,
+    measure_missing_rows,
+    rows_report_check,
+    run_worker,
+    save_figure,
+)
 from near_part_speed import SMOLLM2  # noqa: E402
 from owned_outputs import exit_on_refusal, read_report, report_target, write_report  # noqa: E402
 
@@ -110,17 +117,7 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def validate(report: dict) -> None:
-    if report.get("benchmark") != LABEL:
-        raise ValueError(f"it is not marked as a report of {LABEL}")
-    if not isinstance(report.get("rows"), list) or not isinstance(report.get("setup"), dict):
-        raise ValueError("it has no 'rows' list and 'setup' object")
-    for row in report["rows"]:
-        missing = {"shape", "model", "length", "cache_bytes", "cache_bytes_after_decode"} - set(row)
-        if missing:
-            raise ValueError(f"a row lacks {sorted(missing)}")
-
-
+validate = rows_report_check(LABEL, "shape", "model", "length", "cache_bytes", "cache_bytes_after_decode")
 REPORT_CHECK = validate
 
 
@@ -143,24 +140,12 @@ def plot(report: dict, path: Path) -> None:
                        f"{SHAPES[shape].get('num_key_value_heads', SMOLLM2['num_key_value_heads'])} key-value heads")
         axis.legend()
     fig.suptitle("Plain LSH layers' decoding cache against transformers' KV cache (SmolLM2-135M shapes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def environment() -> dict:
-    import platform
-
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": platform.processor() or
-            platform.machine(), "cores": os.cpu_count()}
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_report_arguments(parser, COMMITTED)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -168,8 +153,6 @@ def main(argv=None) -> None:
                                                               "on it)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each worker")
     parser.add_argument("--decode_steps", type=int, default=8, help="greedy decoding steps after each prompt")
-    parser.add_argument("--results", type=Path, default=COMMITTED)
-    parser.add_argument("--remeasure", action="store_true", help="measure every row, not only missing ones")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(json.loads(args.worker))))
@@ -184,24 +167,18 @@ def main(argv=None) -> None:
     target = report_target(args.results, setup, validate, LABEL)  # this benchmark's own report, or a new file
     report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,
                                                                              "rows": []}
-    report["environment"] = environment()
-    done = {(r["shape"], r["model"], r["length"]) for r in report["rows"]}
-    for shape in args.shapes:
-        for length in sorted(args.lengths):
-            for model in args.models:
-                if (shape, model, length) in done and not args.remeasure:
-                    continue
-                job = {"shape": shape, "model": model, "length": length, "layers": args.layers,
-                       "threads": args.threads, "decode_steps": args.decode_steps}
-                row = run_worker(__file__, [json.dumps(job)])
-                if row is None:
-                    continue
-                row = {"shape": shape, "model": model, "length": length, **row}
-                print(json.dumps(row), flush=True)
-                report["rows"] = [r for r in report["rows"]
-                                  if (r["shape"], r["model"], r["length"]) != (shape, model, length)] + [row]
-                report["summary"] = summary(report["rows"])
-                write_report(target, report)  # after every row: a stopped run keeps what it measured
+    report["environment"] = cpu_environment()
+    key = ("shape", "model", "length")
+    jobs = [{"shape": shape, "model": model, "length": length, "layers": args.layers, "threads": args.threads,
+             "decode_steps": args.decode_steps}
+            for shape in args.shapes for length in sorted(args.lengths) for model in args.models]
+
+    def keep(report):
+        report["summary"] = summary(report["rows"])
+        write_report(target, report)
+
+    measure_missing_rows(report, jobs, key, lambda job: run_worker(__file__, [json.dumps(job)]), keep,
+                         args.remeasure)
     report["summary"] = summary(report["rows"])
     write_report(target, report)
     plot(report, target.with_suffix(".png"))

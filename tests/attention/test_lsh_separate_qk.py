@@ -130,3 +130,31 @@ def test_save_and_load_through_the_auto_classes(tmp_path):
     ids = torch.randint(2, 37, (1, 30))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert isinstance(loaded.model.transformer.blocks[0].attn, SeparateQKLSHAttention)
+
+
+def test_the_checkpoint_loads_from_its_own_code_where_attnzoo_is_not_installed(tmp_path):
+    # the layer is built through LSHAttention, which finds it once lsh_window is imported: the checkpoint's flat copy
+    # of the code must carry and import that module too
+    import subprocess
+    import sys
+
+    torch.manual_seed(6)
+    model = ZooReformerForCausalLM(config()).eval()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(2, 37, (1, 30))
+    torch.save({"ids": ids, "logits": model(ids).logits.detach()}, tmp_path / "expected.pt")
+    script = f"""
+import sys
+sys.modules["attnzoo"] = None  # as if attnzoo were not installed
+import torch, transformers
+torch.set_num_threads({torch.get_num_threads()})
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / "model")!r}, trust_remote_code=True).eval()
+layer = model.model.transformer.blocks[0].attn
+assert type(layer).__name__ == "SeparateQKLSHAttention" and "attnzoo" not in type(layer).__module__
+with torch.no_grad():
+    print((model(expected["ids"]).logits - expected["logits"]).abs().max().item())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert float(done.stdout.strip().splitlines()[-1]) == 0.0

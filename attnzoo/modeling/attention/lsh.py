@@ -17,6 +17,7 @@ token costs O(rounds * (n + chunk_length * head_dim)) for n cached tokens, and e
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -250,12 +251,16 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
     """Shared-QK multi-round LSH self-attention; see the module docstring. With `lsh_shared_qk=False` the layer built
     is `lsh_window.SeparateQKLSHAttention` (separate queries and keys, causal layers)."""
 
+    #: the layer built for `lsh_shared_qk=False`: set by `lsh_window` (which builds on this module, so this module
+    #: cannot import it), always imported with the package and with a checkpoint's code
+    separate_qk_layer: ClassVar[type | None] = None
+
     def __new__(cls, config, layer_idx: int, causal: bool):
         if cls is LSHAttention and not config.lsh_shared_qk:
-            # imported here: lsh_window builds on this module
-            from attnzoo.modeling.attention.lsh_window import SeparateQKLSHAttention
-
-            return SeparateQKLSHAttention(config, layer_idx, causal)
+            if cls.separate_qk_layer is None:
+                raise ValueError("lsh_shared_qk=False: the separate-QK layer is defined in "
+                                 "attnzoo.modeling.attention.lsh_window, which is not imported; import it.")
+            return cls.separate_qk_layer(config, layer_idx, causal)
         return super().__new__(cls)
 
     def __init__(self, config, layer_idx: int, causal: bool):

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
-from attnzoo.modeling.attention.lsh import LSHBuckets, gather_grouped, grouped_rows
+from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets, gather_grouped, grouped_rows
 from attnzoo.modeling.attention.lsh_hashing import (
     hash_buckets,
     inverse_permutation,
@@ -419,3 +419,6 @@ class SeparateQKLSHAttention(LSHFarPart.layer_class):
                              "lsh_full_attention_threshold=0 (or None).")
         super().__init__(config, layer_idx, causal)
         self.window_size, self.sinks = 1, 0  # the near part is the query's own key
+
+
+LSHAttention.separate_qk_layer = SeparateQKLSHAttention

@@ -158,3 +158,17 @@ with torch.no_grad():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert float(done.stdout.strip().splitlines()[-1]) == 0.0
+
+
+@pytest.mark.parametrize("shared_qk", [True, False])
+def test_deepcopy_and_pickle_give_the_same_layer(shared_qk):
+    # LSHAttention chooses its layer in __new__, which copy.deepcopy and pickle call without arguments
+    import copy
+    import pickle
+
+    torch.manual_seed(7)
+    layer = LSHAttention(config(lsh_shared_qk=shared_qk, lsh_full_attention_threshold=0), 0, causal=True).eval()
+    x = torch.randn(1, 20, 32)
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(twin) is type(layer)
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)

@@ -255,12 +255,13 @@ class LSHAttention(LSHBuckets, ChunkedAttention):
     #: cannot import it), always imported with the package and with a checkpoint's code
     separate_qk_layer: ClassVar[type | None] = None
 
-    def __new__(cls, config, layer_idx: int, causal: bool):
-        if cls is LSHAttention and not config.lsh_shared_qk:
+    def __new__(cls, config=None, *args, **kwargs):
+        # copy.deepcopy and pickle call __new__ with no arguments, and then restore the instance's state
+        if cls is LSHAttention and config is not None and not config.lsh_shared_qk:
             if cls.separate_qk_layer is None:
                 raise ValueError("lsh_shared_qk=False: the separate-QK layer is defined in "
                                  "attnzoo.modeling.attention.lsh_window, which is not imported; import it.")
-            return cls.separate_qk_layer(config, layer_idx, causal)
+            return cls.separate_qk_layer(config, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, config, layer_idx: int, causal: bool):

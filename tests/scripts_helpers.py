@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -198,12 +199,97 @@ def accelerate_command(script: str, argv: list, num_processes: int = 1) -> list[
     return [*launch, str(SCRIPTS / f"{script}.py"), *[str(a) for a in argv]]
 
 
+class Started:
+    """A subprocess started in the background, so that the test can do something else while it runs (start another
+    one beside it: two processes starting up at once use both cores of a small machine). Its output goes to files,
+    never to a pipe that a chatty process could fill and block on. `result()` waits and returns what
+    `subprocess.run(..., capture_output=True, text=True)` would; `wait()` also asserts that it exited with 0. As a
+    context manager, it is killed at the end of the block if it is still running (a test that failed before waiting
+    for it leaves nothing behind)."""
+
+    def __init__(self, args: list, env: dict | None = None, cwd: Path | None = None):
+        self._stdout, self._stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.args = [str(a) for a in args]
+        self.process = subprocess.Popen(self.args, stdout=self._stdout, stderr=self._stderr, text=True, env=env,
+                                        cwd=cwd)
+        self.done = None
+
+    def result(self, timeout: int = 600) -> subprocess.CompletedProcess:
+        if self.done is None:
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise
+            outputs = []
+            for file in (self._stdout, self._stderr):
+                file.seek(0)
+                outputs.append(file.read())
+                file.close()
+            self.done = subprocess.CompletedProcess(self.args, self.process.returncode, *outputs)
+        return self.done
+
+    def wait(self, timeout: int = 600) -> subprocess.CompletedProcess:
+        done = self.result(timeout)
+        assert done.returncode == 0, (f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
+                                      f"stderr:\n{done.stderr[-5000:]}")
+        return done
+
+    def stop(self) -> None:
+        """Kill it if it is still running."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launched(script: str, argv: list, num_processes: int = 1, env: dict | None = None) -> Started:
+    """`launch` started in the background: its `wait()` is launch's end."""
+    return Started(accelerate_command(script, argv, num_processes), env=env or script_env(), cwd=ROOT)
+
+
 def launch(script: str, argv: list, num_processes: int = 1, env: dict | None = None, timeout: int = 600):
-    done = subprocess.run(accelerate_command(script, argv, num_processes), capture_output=True, text=True,
-                          env=env or script_env(), timeout=timeout, cwd=ROOT)
-    assert done.returncode == 0, (f"exit {done.returncode}\nstdout:\n{done.stdout[-3000:]}\n"
-                                  f"stderr:\n{done.stderr[-5000:]}")
-    return done
+    return launched(script, argv, num_processes, env).wait(timeout)
+
+
+def in_process(run):
+    """A stand-in for benchmarks/uptraining.py's `run` (record a repository command and, when asked, run it in a
+    fresh Python process) that runs the command in this process: the script's `main` (or the `-m` module's) with the
+    same arguments, from the repository root. The same command line, recorded the same way and parsed by the same
+    code, without starting Python, torch and transformers anew for each of a benchmark's dozen commands (some ten
+    seconds each on two cores). tests/scripts/test_readme.py runs these scripts as a user does, each in a process of
+    its own. `run` is the benchmark's own, which records the command."""
+    def run_here(command: list, log: list[str], execute: bool = True) -> None:
+        run(command, log, execute=False)
+        if not execute:
+            return
+        argv = [str(c) for c in command]
+        if argv[0] == "-m":
+            module, argv = importlib.import_module(argv[1]), argv[2:]
+        else:
+            script = ROOT / argv[0]
+            module, argv = load_module(script.parent, script.stem), argv[1:]
+        print("$", log[-1], flush=True)
+        cwd, environment, threads = os.getcwd(), dict(os.environ), torch.get_num_threads()
+        os.chdir(ROOT)
+        try:
+            module.main(argv)
+        finally:  # what a process of its own would have taken with it when it ended
+            from accelerate.state import AcceleratorState, GradientState
+
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(environment)
+            torch.set_num_threads(threads)
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    return run_here
 
 
 def save_tiny_llama(folder: Path, layers: int = 2, positions: int = 256) -> Path:

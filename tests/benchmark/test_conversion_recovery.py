@@ -4,6 +4,7 @@ a tiny end-to-end run (slow) goes through every stage on real checkpoints."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnzoo import ZooHybridConfig
-from tests.scripts_helpers import ROOT, load_module
+from tests.scripts_helpers import ROOT, in_process, load_module
 
 bench = load_module(ROOT / "benchmarks", "conversion_recovery")
+uptraining = importlib.import_module("uptraining")  # the module whose `run` runs the benchmark's commands
 RESULTS = ROOT / "benchmarks" / "results" / "conversion_recovery.json"
 SOURCE_LM_EVAL = {"endings/acc_norm": 0.5, "next_word/exact_match": 0.4, "perplexity/bits_per_byte": 2.0}
 
@@ -124,9 +126,13 @@ def test_the_readme_shows_the_committed_results():
 
 
 @pytest.mark.slow
-def test_tiny_end_to_end_run(tmp_path):
+def test_tiny_end_to_end_run(tmp_path, monkeypatch):
     """Every stage on real checkpoints, tiny: source with passkey data, a baseline window, one windowed conversion
-    with attention transfer, its evaluations, the JSON, the plot and the model card's figures."""
+    with attention transfer, its evaluations, the JSON, the plot and the model card's figures. The benchmark's
+    commands (training, conversion, transfer, evaluation, passkey retrieval), recorded as it records them, run in
+    this process."""
+    monkeypatch.setattr(uptraining, "run", in_process(uptraining.run))
+    monkeypatch.setattr(bench, "run", uptraining.run)
     results = tmp_path / "recovery.json"
     report = bench.main(["--conversions", "favor_window", "--baseline_windows", "8", "--source_steps", "3",
                          "--transfer_steps", "2", "--finetune_steps", "2", "--batch", "2", "--hidden", "32",

@@ -10,10 +10,11 @@ import shutil
 
 import pytest
 
-from tests.scripts_helpers import ROOT, load_module
+from tests.scripts_helpers import ROOT, in_process, load_module
 
 bench = load_module(ROOT / "benchmarks", "long_context")
 owned = importlib.import_module("owned_outputs")  # the module long_context.py imported (benchmarks/ is on the path)
+uptraining = importlib.import_module("uptraining")  # whose `run` runs the benchmark's commands
 
 
 def model_entry(passkey: list, bits: list, states: list | None):
@@ -241,6 +242,9 @@ def test_figures_of_models_whose_runs_are_absent_are_reused_from_the_results(tmp
 @pytest.mark.slow
 def test_a_tiny_run_trains_evaluates_and_reuses_its_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "TABLE_FILES", ())
+    # the benchmark's commands (training, conversion, lm-eval), recorded as it records them, run in this process
+    monkeypatch.setattr(uptraining, "run", in_process(uptraining.run))
+    monkeypatch.setattr(bench, "run", uptraining.run)
     argv = ["--models", "source", "window", "window_converted", "irope_lsh_from_irope_softmax_8_rounds",
             "--finetune_steps", "2",
             "--steps", "3", "--batch", "2", "--block_size", "128", "--hidden", "32",

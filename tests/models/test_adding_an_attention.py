@@ -5,7 +5,7 @@ generates), and what `save_pretrained` refuses. Also: every family's checkpoint 
 import ast
 import json
 import re
-import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import torch
 
 from attnzoo.registration import FAMILY_CONFIGS
 from attnzoo.remote_code import family_model_classes, remote_code_files, unguarded_imports
+from tests.scripts_helpers import Started
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "adding_an_attention.md"
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,13 +39,22 @@ except ValueError as error:
 """
 
 
-def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
+def start(code: str, cwd: Path, block_attnzoo: bool = False) -> Started:
+    """`code` in a fresh Python process, started in the background (`finished` waits for its output)."""
     prefix = "import sys; sys.modules['attnzoo'] = None  # as if attnzoo were not installed\n" if block_attnzoo else ""
     env_path = "" if block_attnzoo else str(ROOT)
-    done = subprocess.run([sys.executable, "-c", prefix + code], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": env_path})
+    return Started([sys.executable, "-c", prefix + code], cwd=cwd,
+                   env={**__import__("os").environ, "PYTHONPATH": env_path})
+
+
+def finished(started: Started) -> str:
+    done = started.result(timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def run(code: str, cwd: Path, block_attnzoo: bool = False) -> str:
+    return finished(start(code, cwd, block_attnzoo))
 
 
 @pytest.mark.slow
@@ -57,30 +67,34 @@ def test_the_page_runs_as_written_and_the_checkpoint_loads_without_attnzoo(tmp_p
     run(blocks["train_and_save.py"], tmp_path)
     saved = tmp_path / "my-model"
     assert (saved / "user_temperature_attention.py").is_file()
-    # the saved model's outputs, computed where attnzoo and the user's module are importable
-    compare = f"""
+    # the saved model's outputs, computed where attnzoo and the user's module are importable (`folder`: the user's)
+    compare = """
 import json, sys, torch
-sys.path.insert(0, {str(tmp_path)!r})
-{{imports}}
+sys.path.insert(0, {folder!r})
+{imports}
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(saved)!r}{{remote}}).eval()
+model = AutoModelForCausalLM.from_pretrained({model!r}{remote}).eval()
 ids = torch.arange(1, 13)[None] % 64
 with torch.no_grad():
     logits = model(ids).logits
 cached = model.generate(ids, max_new_tokens=6, do_sample=False)
 uncached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
-print(json.dumps({{{{"module": type(model.model.transformer.blocks[0].attn).__module__,
-                   "logits": logits.flatten().tolist(), "cached": cached.tolist(), "uncached": uncached.tolist()}}}}))
+print(json.dumps({{"module": type(model.model.transformer.blocks[0].attn).__module__,
+                  "logits": logits.flatten().tolist(), "cached": cached.tolist(), "uncached": uncached.tolist()}}))
 """
-    local = json.loads(run(compare.format(imports="import attnzoo, temperature_attention", remote=""),
-                           tmp_path).splitlines()[-1])
-    (tmp_path / "temperature_attention.py").unlink()  # the colleague's machine has neither attnzoo nor the file
-    remote = json.loads(run(compare.format(imports="", remote=", trust_remote_code=True"), tmp_path,
+    local = start(compare.format(folder=str(tmp_path), imports="import attnzoo, temperature_attention",
+                                 model=str(saved), remote=""), tmp_path)
+    # meanwhile, on the colleague's machine, which has neither attnzoo nor the file: a folder holding only the model
+    colleague = tmp_path / "colleague"
+    shutil.copytree(saved, colleague / "my-model")
+    remote = json.loads(run(compare.format(folder=str(colleague), imports="", model=str(colleague / "my-model"),
+                                           remote=", trust_remote_code=True"), colleague,
                             block_attnzoo=True).splitlines()[-1])
+    out = run(blocks["load_and_generate.py"], colleague, block_attnzoo=True)
+    local = json.loads(finished(local).splitlines()[-1])
     assert local["module"] == "temperature_attention" and remote["module"].startswith("transformers_modules")
     assert remote["logits"] == local["logits"]
     assert remote["cached"] == remote["uncached"] == local["cached"]
-    out = run(blocks["load_and_generate.py"], tmp_path, block_attnzoo=True)
     assert out.startswith("[1, 2, 3, ") and len(json.loads(out)) == 11
 
 

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GPT2Co
 import attnzoo  # noqa: F401  (registers the families)
 from attnzoo.evaluation.harness import INSTALL_HINT, LOCAL_TAG, LOCAL_TASKS, TASKS_DIR
 from attnzoo.tokenization import byte_level_tokenizer
-from tests.scripts_helpers import FAMILIES, QUIET, english_text, run_script, tiny_model
+from tests.scripts_helpers import FAMILIES, QUIET, Started, english_text, run_script, tiny_model
 
 HAVE_LM_EVAL = importlib.util.find_spec("lm_eval") is not None
 needs_lm_eval = pytest.mark.skipif(not HAVE_LM_EVAL, reason=f"lm-eval is an optional extra: {INSTALL_HINT}")
@@ -292,9 +291,13 @@ print(json.dumps({{"responses": found, "attnzoo_modules": imported, "remote_code
 """
 
 
-def run_without_attnzoo(script: str, tmp_path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=900,
-                          env=fresh_env(tmp_path))
+def start_without_attnzoo(script: str, tmp_path: Path) -> Started:
+    """`script` in a fresh process, started in the background (the test computes what it expects meanwhile)."""
+    return Started([sys.executable, "-c", script], cwd=tmp_path, env=fresh_env(tmp_path))
+
+
+def printed_json(started: Started) -> dict:
+    done = started.result(timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -313,13 +316,15 @@ def test_a_process_without_attnzoo_scores_the_same(tmp_path, checkpoint, local_t
     """lm-eval with trust_remote_code=True in a process where attnzoo cannot be imported (the checkpoint's own
     code runs) scores as the process with attnzoo does."""
     folders = {family: str(checkpoint(family)) for family in families}
-    found = run_without_attnzoo(FRESH_PROCESS.format(tasks_dir=str(TASKS_DIR), folders=folders, tag=LOCAL_TAG,
-                                                     limit=4), tmp_path)
+    started = start_without_attnzoo(FRESH_PROCESS.format(tasks_dir=str(TASKS_DIR), folders=folders, tag=LOCAL_TAG,
+                                                         limit=4), tmp_path)
+    expected = {family: responses(evaluate(local_tasks, folders[family], batch_size=4, limit=4))
+                for family in families}
+    found = printed_json(started)
     assert found["attnzoo_modules"] == []
     assert "modeling_attnzoo" in found["remote_code"]
     for family in families:
-        expected = responses(evaluate(local_tasks, folders[family], batch_size=4, limit=4))
-        assert_same_responses(found["responses"][family], json.loads(json.dumps(expected)), rel=1e-6)
+        assert_same_responses(found["responses"][family], json.loads(json.dumps(expected[family])), rel=1e-6)
 
 
 @needs_lm_eval
@@ -339,11 +344,12 @@ def test_lm_eval_command_without_attnzoo(tmp_path, checkpoint, local_tasks):
                "--batch_size", "2", "--limit", "4", "--device", "cpu", "--output_path", str(tmp_path / "out"),
                "--log_samples"]
     env = {**fresh_env(tmp_path), "PYTHONPATH": str(blocker)}
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
+    started = Started(command, cwd=tmp_path, env=env)  # what the API gives is computed meanwhile
+    expected = evaluate(local_tasks, folder, batch_size=2, limit=4)
+    done = started.result(timeout=900)
     assert done.returncode == 0, done.stderr[-5000:]
     [results_file] = (tmp_path / "out").rglob("results_*.json")
     found = json.loads(results_file.read_text())
-    expected = evaluate(local_tasks, folder, batch_size=2, limit=4)
     assert scores(found) == pytest.approx(scores(expected), rel=1e-6)
     written = {}
     for task in LOCAL_TASKS:

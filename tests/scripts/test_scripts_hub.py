@@ -2,14 +2,13 @@
 pushed model card carries the measured metrics as model-index results."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 import yaml
 
 from tests.hub_server import LocalHub
-from tests.scripts_helpers import QUIET, ROOT, english_text, launch, results, script_env, tiny_model
+from tests.scripts_helpers import QUIET, ROOT, Started, english_text, launch, results, script_env, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +52,11 @@ def test_push_to_hub_then_from_pretrained(tmp_path):
                 "ids = tokenizer('The ', return_tensors='pt').input_ids\n"
                 "print(json.dumps({'type': model.config.model_type, 'vocab': len(tokenizer),\n"
                 "                  'shape': list(model.generate(ids, max_new_tokens=3).shape)}))\n")
-        loaded = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, cwd=ROOT,
-                                timeout=300)
+        # the two readers of the pushed repository run at once, each with a cache of its own
+        loading = Started([sys.executable, "-c", load], env=env, cwd=ROOT)
+        evaluating = Started([sys.executable, ROOT / "scripts" / "evaluate.py", "--model_name_or_path",
+                              "tester/attnzoo-tiny-lm"], env={**env, "HF_HOME": str(tmp_path / "hf_home_2")}, cwd=ROOT)
+        loaded, evaluated = loading.result(timeout=300), evaluating.result(timeout=300)
         assert loaded.returncode == 0, loaded.stderr[-3000:]
         info = json.loads(loaded.stdout.strip().splitlines()[-1])
         assert info == {"type": "attnzoo_performer", "vocab": 261, "shape": [1, 7]}
@@ -62,8 +64,5 @@ def test_push_to_hub_then_from_pretrained(tmp_path):
         assert any(path.endswith("/resolve/" + hub.repos["tester/attnzoo-tiny-lm"].head + "/model.safetensors")
                    for _, path, status in hub.requests if status == 200)
 
-        evaluated = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--model_name_or_path",
-                                    "tester/attnzoo-tiny-lm"], env=env, capture_output=True, text=True, cwd=ROOT,
-                                   timeout=300)
         assert evaluated.returncode == 0, evaluated.stderr[-3000:]
         assert json.loads(evaluated.stdout[evaluated.stdout.index("{"):])["bits_per_dim"] == pytest.approx(measured)

@@ -37,6 +37,7 @@ from tests.scripts_helpers import (
     assert_identical_weights,
     english_text,
     launch,
+    launched,
     run_script,
     script_env,
     tiny_model,
@@ -491,16 +492,32 @@ def stop_with_sigterm(script: str, argv: list, out: Path, num_processes: int, af
     return process.communicate(timeout=300)  # the pipes close when the last process holding them exits
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["group", "launcher"])
-def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights(tmp_path, target):
-    corpus = tmp_path / "corpus.txt"
+@pytest.fixture(scope="module")
+def performer_run(tmp_path_factory):
+    """The arguments of the Performer run both SIGTERM tests stop, and its weights run uninterrupted (a function
+    that waits for them): one reference for both, launched in the background when the first test starts, so that it
+    runs beside that test's own runs."""
+    folder = tmp_path_factory.mktemp("performer_reference")
+    corpus = folder / "corpus.txt"
     corpus.write_bytes(english_text()[:20_000])
     args = ["--train_file", corpus, "--block_size", "32", "--max_train_steps", "30", "--logging_steps", "1",
             "--checkpointing_steps", "25", "--per_device_train_batch_size", "4", "--max_eval_batches", "1",
-            "--num_warmup_steps", "2", "--sample_tokens", "0",
+            "--num_warmup_steps", "2", "--sample_tokens", "0", "--cpu_threads", "1",  # two runs at once on two cores
             *tiny_model("performer", "hidden_dropout_prob=0.1"), *QUIET]
-    launch("train_lm", [*args, "--output_dir", tmp_path / "full"])
+    reference = launched("train_lm", [*args, "--output_dir", folder / "full"])
+
+    def full_weights():
+        reference.wait()
+        return weights(folder / "full")
+
+    yield args, full_weights
+    reference.stop()  # if no test got as far as the comparison
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["group", "launcher"])
+def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights(tmp_path, target, performer_run):
+    args, full_weights = performer_run
     stopped = tmp_path / "stopped"
     stdout, _ = stop_with_sigterm("train_lm", args, stopped, 1, after_step=3, target=target)
     assert "stopped by SIGTERM after step" in stdout and "--resume_from_checkpoint latest" in stdout
@@ -509,7 +526,7 @@ def test_sigterm_to_a_launched_performer_run_then_resume_gives_identical_weights
     assert not (stopped / "model.safetensors").exists()
     done = launch("train_lm", [*args, "--output_dir", stopped, "--resume_from_checkpoint", "latest"])
     assert f"resumed from {checkpoint_dir(stopped, step)}" in done.stdout
-    assert_identical_weights(weights(tmp_path / "full"), weights(stopped))
+    assert_identical_weights(full_weights(), weights(stopped))
 
 
 @pytest.mark.slow
@@ -522,13 +539,15 @@ def test_sigterm_to_one_process_of_a_two_process_reformer_run_stops_both_at_one_
             "--per_device_train_batch_size", "2", "--max_eval_batches", "1", "--num_warmup_steps", "2",
             "--sample_tokens", "0", *tiny_model("reformer", "lsh_chunk_length=8", "local_chunk_length=8",
                                                 "hidden_dropout_prob=0.1"), *QUIET]
-    launch("train_lm", [*args, "--output_dir", tmp_path / "full"], num_processes=2)
-    stopped = tmp_path / "stopped"
-    stdout, stderr = stop_with_sigterm("train_lm", args, stopped, 2, after_step=3, target="rank 1")
-    assert "stopped by SIGTERM after step" in stdout, stderr[-3000:]
-    step = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0])
-    (found_step, folder), = list_checkpoints(stopped)
-    assert found_step == step and not verify_checkpoint(folder)
-    assert {p.name for p in folder.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
-    launch("train_lm", [*args, "--output_dir", stopped, "--resume_from_checkpoint", "latest"], num_processes=2)
+    # the uninterrupted reference, beside the stopped and the resumed runs
+    with launched("train_lm", [*args, "--output_dir", tmp_path / "full"], num_processes=2) as reference:
+        stopped = tmp_path / "stopped"
+        stdout, stderr = stop_with_sigterm("train_lm", args, stopped, 2, after_step=3, target="rank 1")
+        assert "stopped by SIGTERM after step" in stdout, stderr[-3000:]
+        step = int(stdout.split("stopped by SIGTERM after step ")[1].split(":")[0])
+        (found_step, folder), = list_checkpoints(stopped)
+        assert found_step == step and not verify_checkpoint(folder)
+        assert {p.name for p in folder.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+        launch("train_lm", [*args, "--output_dir", stopped, "--resume_from_checkpoint", "latest"], num_processes=2)
+        reference.wait()
     assert_identical_weights(weights(tmp_path / "full"), weights(stopped))

@@ -37,6 +37,7 @@ from tests.scripts_helpers import (
     copy_interrupted_run,
     english_text,
     launch,
+    launched,
     max_weight_difference,
     results,
     run_script,
@@ -339,11 +340,13 @@ def test_a_hybrid_run_transfers_only_the_learned_layers(tmp_path, models, corpus
 def test_two_processes_match_one_process_with_the_doubled_batch(tmp_path, models, corpus):
     """DDP over gloo: the transfer module's parameters are the students' own ones, shared with the student, and
     their gradients are averaged over both shards."""
-    def args(out, batch):
-        return [*transfer_args(models, corpus, out), "--max_train_steps", "6", "--per_device_train_batch_size", batch]
+    def args(out, batch):  # one thread a process: the three processes share two cores
+        return [*transfer_args(models, corpus, out), "--max_train_steps", "6", "--per_device_train_batch_size", batch,
+                "--cpu_threads", "1"]
 
-    launch("transfer_attention", args(tmp_path / "one", "4"))
-    two = launch("transfer_attention", args(tmp_path / "two", "2"), num_processes=2)
+    with launched("transfer_attention", args(tmp_path / "one", "4")) as one:
+        two = launch("transfer_attention", args(tmp_path / "two", "2"), num_processes=2)  # beside the one-process run
+        one.wait()
     assert "2 process(es)" in two.stdout and results(tmp_path / "two")["num_processes"] == 2
     one_weights, two_weights = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert max_weight_difference(one_weights, two_weights) < 1e-6

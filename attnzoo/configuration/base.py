@@ -31,7 +31,7 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
 #: how a layer's far part sees positions, and how its queries may scale (attnzoo/modeling/attention/far_positions.py)
-FAR_POSITIONS = ("rotary", "none", "fixed")
+FAR_POSITIONS = ("rotary", "none", "fixed", "grouped")
 FAR_QUERY_SCALES = ("log", "learned")
 #: the fields of `ZooWindowSettings` (configuration/window.py), which every family's config had before
 WINDOW_SETTINGS = ("window_size", "num_sink_tokens")
@@ -175,10 +175,15 @@ class ZooConfig(PreTrainedConfig):
             pattern is e.g. `attn_layers=[lsh_window, lsh_window, lsh_window, full]` with
             `far_positions=[rotary, rotary, rotary, none]`) or "fixed" (windowed layers: every far key read at the
             distance `window_size`, the nearest a far key can be, as InfLLM and LM-Infinite read a pretrained
-            model's far keys, so no far key meets a rotary distance the model did not train on). Only windowed
-            attentions and "full" have such a part.
+            model's far keys, so no far key meets a rotary distance the model did not train on) or "grouped"
+            (windowed layers: Self-Extend's grouped positions, a far key's distance from the window's edge divided
+            by `far_position_group`, so distances grow G times slower than the context). Only windowed attentions
+            and "full" have such a part.
+        far_position_group: G of "grouped" far positions (required with it, refused without it): a far key at
+            distance d >= window_size is read at window_size + (floor(i/G) - floor(j/G) - floor(window_size/G)), so
+            a model trained on N tokens reads about G (N - window_size) tokens without meeting a longer distance.
         far_query_scale / far_query_scale_length: scaling of the queries of the far parts without rotary distances
-            ("none" or "fixed") with the log of the position: None, "log" (Llama 4's
+            ("none", "fixed" or "grouped") with the log of the position: None, "log" (Llama 4's
             1 + 0.1 ln(floor((p + 1) / far_query_scale_length) + 1)) or "learned" (scalable-softmax's s ln(p + 1),
             s per head). See attnzoo/modeling/attention/far_positions.py.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
@@ -240,6 +245,7 @@ class ZooConfig(PreTrainedConfig):
     far_positions: list[str] | tuple[str, ...] = ("rotary",)
     far_query_scale: str | None = None
     far_query_scale_length: int = 8192
+    far_position_group: int | None = None
 
     image_size: int = 224
     patch_size: int = 16
@@ -293,16 +299,27 @@ class ZooConfig(PreTrainedConfig):
         if len(entries) > max(self.num_hidden_layers, self.num_decoder_layers or 0):
             fail("far_positions", entries, f"it lists {len(entries)} entries for {self.num_hidden_layers} layers; give "
                                            "at most one per layer.")
-        if {"none", "fixed"} & set(entries) and self.position_embedding_type != "rotary":
-            fail("far_positions", entries, "'none' and 'fixed' change how the far part reads rotary positions, but "
+        if {"none", "fixed", "grouped"} & set(entries) and self.position_embedding_type != "rotary":
+            fail("far_positions", entries, "'none', 'fixed' and 'grouped' change how the far part reads rotary "
+                                           "positions, but "
                                            f"position_embedding_type={self.position_embedding_type!r}; set "
                                            "position_embedding_type='rotary' or far_positions=['rotary'].")
         check_choice(self, "far_query_scale", (None, *FAR_QUERY_SCALES))
-        if self.far_query_scale is not None and not {"none", "fixed"} & set(entries):
+        if self.far_query_scale is not None and not {"none", "fixed", "grouped"} & set(entries):
             fail("far_query_scale", self.far_query_scale, "it scales the queries of far parts without rotary "
                                                           "distances, and no layer has one; set far_positions (e.g. "
                                                           "['none'] or ['fixed']) or far_query_scale=None.")
         check_positive_ints(self, ("far_query_scale_length",))
+        if "grouped" in entries and self.far_position_group is None:
+            fail("far_position_group", None, "far_positions lists 'grouped', which reads far keys at distances divided "
+                                             "by this group size; set it (e.g. 4 to read about four times the "
+                                             "training length) or use far_positions 'fixed'.")
+        if self.far_position_group is not None:
+            if "grouped" not in entries:
+                fail("far_position_group", self.far_position_group, "it is the group size of 'grouped' far "
+                                                                    "positions, and no layer has them; list 'grouped' "
+                                                                    "in far_positions or set it to None.")
+            check_positive_ints(self, ("far_position_group",))
 
     def _fit_layout(self, name: str, depth_name: str) -> list[str]:
         """`attn_layers` (or `decoder_attn_layers`) as a list of at most one kind per layer. A list longer than the

@@ -27,6 +27,13 @@ WINDOWED = {
     "lsh_window_separate_qk": ("lsh_window", {"lsh_shared_qk": False}),
 }
 SCALES = [None, "log", "learned"]
+#: the far positions a windowed layer can give its far part without rotary distances beyond training
+BOUNDED = ["none", "fixed", "grouped"]
+GROUP = 3  # far_position_group of the "grouped" cases: not a divisor of the window (4), so the floor matters
+
+
+def positions_settings(positions: str) -> dict:
+    return {"far_positions": [positions], "far_position_group": GROUP if positions == "grouped" else None}
 
 
 def config(**overrides) -> ZooHybridConfig:
@@ -59,12 +66,12 @@ def left_padded(length=19, pad=5):
     return x, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-@pytest.mark.parametrize("positions", ["none", "fixed"])
+@pytest.mark.parametrize("positions", BOUNDED)
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_far_parts_without_positions_equal_their_dense_reference_with_padding(name, scale, positions):
     kind, settings = WINDOWED[name]
-    attn = layer(kind, settings, far_query_scale=scale, far_positions=[positions])
+    attn = layer(kind, settings, far_query_scale=scale, **positions_settings(positions))
     x, mask, positions = left_padded()
     fast = attn(x, attention_mask=mask, position_ids=positions)
     reference = attn.reference_forward(x, attention_mask=mask, position_ids=positions)
@@ -74,13 +81,14 @@ def test_far_parts_without_positions_equal_their_dense_reference_with_padding(na
     torch.testing.assert_close(fast[1, 5:], alone[0], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("positions", ["none", "fixed"])
+@pytest.mark.parametrize("positions", BOUNDED)
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_only_the_far_part_loses_the_rotation(name, positions):
     """Queries with no far key (real positions below window + sinks) get what the rotary layer gives them; later
     ones differ; and shifting every position changes the window's rotations, so the outputs move with it."""
     kind, settings = WINDOWED[name]
-    plain, rotary = layer(kind, settings, far_positions=[positions]), layer(kind, settings, far_positions=["rotary"])
+    plain, rotary = layer(kind, settings, **positions_settings(positions)), layer(kind, settings,
+                                                                                 far_positions=["rotary"])
     rotary.load_state_dict(plain.state_dict())
     x, mask, positions = left_padded()
     with torch.no_grad():
@@ -91,14 +99,14 @@ def test_only_the_far_part_loses_the_rotation(name, positions):
     assert (ours - theirs)[mask & (positions >= 6)].abs().amax(-1).max() > 1e-4
 
 
-@pytest.mark.parametrize("positions", ["none", "fixed"])
+@pytest.mark.parametrize("positions", BOUNDED)
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", list(WINDOWED))
 def test_cached_decoding_equals_the_full_forward(name, scale, positions):
     kind, settings = WINDOWED[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_query_scale=scale,
-                                                    far_positions=[positions], **settings)).double().eval()
+                                                    **positions_settings(positions), **settings)).double().eval()
     cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
     assert "window_far_k" in cache.layers[0].state  # the window keeps the keys as the far part sees them, to hand over
 
@@ -220,11 +228,48 @@ def test_fixed_far_positions_read_every_far_key_at_the_window_distance():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_fixed_far_positions_need_a_windowed_layer_with_a_far_part():
+@pytest.mark.parametrize("group", [1, GROUP, 4])
+def test_grouped_far_positions_continue_from_the_window_edge_group_times_slower(group):
+    """Self-Extend's grouped positions: the far view's q . k is rotary's score of the pair at distance
+    W + floor(i / G) - floor(j / G) - floor(W / G) (>= W for a far key, W at the window's edge when G divides W),
+    counted in real tokens; with G = 1 that is the pair's own distance, so the far part sees what "rotary" gives it."""
+    attn = layer("lsh_window", {"lsh_shared_qk": False}, far_positions=["grouped"], far_position_group=group)
+    q, k = torch.randn(1, 4, 40, 8, dtype=torch.float64), torch.randn(1, 4, 40, 8, dtype=torch.float64)
+    real = torch.arange(40)[None]
+    q_far, k_far = attn.far_view(q, k, None, None, real, 0, real)
+    window = attn.window_size
+    for query, key in [(39, 0), (30, 3), (20, 16), (9, 5)]:
+        distance = window + query // group - key // group - window // group
+        assert distance >= window
+        if group == 1:
+            assert distance == query - key
+        at_query = attn.rotate(q[:, :, query:query + 1], attn.rotary(torch.tensor([[distance + 50]]), q.dtype))
+        at_key = attn.rotate(k[:, :, key:key + 1], attn.rotary(torch.tensor([[50]]), k.dtype))
+        torch.testing.assert_close(q_far[:, :, query] @ k_far[:, :, key].transpose(-1, -2),
+                                   at_query[:, :, 0] @ at_key[:, :, 0].transpose(-1, -2), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_far_positions_of_group_one_are_the_rotary_layer():
+    """G = 1 reads every far key at its own distance: the same outputs as far_positions 'rotary', left padding
+    included (grouped positions count real tokens, as the model's position ids do)."""
+    kind, settings = WINDOWED["lsh_window_separate_qk"]
+    grouped = layer(kind, settings, far_positions=["grouped"], far_position_group=1)
+    rotary = layer(kind, settings, far_positions=["rotary"])
+    rotary.load_state_dict(grouped.state_dict())
+    x, mask, positions = left_padded()
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(x, attention_mask=mask, position_ids=positions)[mask],
+                                   rotary(x, attention_mask=mask, position_ids=positions)[mask],
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", ["fixed", "grouped"])
+def test_window_relative_far_positions_need_a_windowed_layer_with_a_far_part(positions):
+    settings = positions_settings(positions)
     with pytest.raises(ValueError, match=r"layer 0 \('full'\) has no window beside a far part.*'rotary' or 'none'"):
-        build_attention("full", config(far_positions=["fixed"]), 0, True)
+        build_attention("full", config(**settings), 0, True)
     with pytest.raises(ValueError, match=r"layer 0 \('window'\) has no window beside a far part"):
-        build_attention("window", config(far_positions=["fixed"]), 0, True)
+        build_attention("window", config(**settings), 0, True)
 
 
 @pytest.mark.parametrize("values, field, message", [
@@ -233,6 +278,11 @@ def test_fixed_far_positions_need_a_windowed_layer_with_a_far_part():
      "position_embedding_type='rotary'"),
     ({"far_positions": ["fixed"], "position_embedding_type": "learned"}, "far_positions",
      "position_embedding_type='rotary'"),
+    ({"far_positions": ["grouped"], "far_position_group": 2, "position_embedding_type": "learned"},
+     "far_positions", "position_embedding_type='rotary'"),
+    ({"far_positions": ["grouped"]}, "far_position_group", "far_positions lists 'grouped'.*set it"),
+    ({"far_positions": ["fixed"], "far_position_group": 4}, "far_position_group", "no layer has them"),
+    ({"far_positions": ["grouped"], "far_position_group": 0}, "far_position_group", "positive integer"),
     ({"far_positions": ["rotary"], "far_query_scale": "log"}, "far_query_scale", "no layer has one"),
     ({"far_query_scale": "cubic"}, "far_query_scale", "cubic"),
     ({"far_positions": ["none", "rotary", "none"]}, "far_positions", "3 entries for 2 layers"),

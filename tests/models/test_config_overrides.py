@@ -94,7 +94,8 @@ def test_the_constructors_messages_say_what_to_change(checkpoints):
         "window_size": "window_size=-1 is invalid: set a positive integer.",
         "num_sink_tokens": "num_sink_tokens=-2 is invalid: set a non-negative integer (0 = a plain sliding window).",
         "sink_positions": "sink_positions='bogus' is invalid: use one of ('absolute', 'adjacent').",
-        "far_positions": "far_positions=['bogus'] is invalid: list one of ['rotary', 'none', 'fixed'] per layer",
+        "far_positions": "far_positions=['bogus'] is invalid: list one of ['rotary', 'none', 'fixed', 'grouped'] "
+                         "per layer",
         "far_query_scale_length": "far_query_scale_length=0 is invalid: set a positive integer.",
         "attn_layers": "attn_layers=['bogus'] is invalid: unknown attention 'bogus'; known kinds: [",
         "hidden_size": "num_attention_heads=2 is invalid: it must divide hidden_size=31; pick a divisor or change "

@@ -105,11 +105,12 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
         raise ValueError(f"far_positions={list(config.far_positions)!r} is invalid: layer {layer_idx} ({kind!r}) has "
                          "no far part that can do without positions (only the windowed attentions and 'full' have "
                          "one); give that layer 'rotary'.")
-    if far_positions == "fixed" and not (cls.position_free_far_part and getattr(cls, "far_part_class", None)):
+    if far_positions in ("fixed", "grouped") and not (cls.position_free_far_part and
+                                                      getattr(cls, "far_part_class", None)):
         raise ValueError(f"far_positions={list(config.far_positions)!r} is invalid: layer {layer_idx} ({kind!r}) has "
-                         "no window beside a far part, and 'fixed' reads every far key at the window's distance "
-                         "(only the windowed attentions with a far part have one); give that layer 'rotary' or "
-                         "'none'.")
+                         f"no window beside a far part, and {far_positions!r} reads far keys at distances counted "
+                         "from the window's edge (only the windowed attentions with a far part have one); give that "
+                         "layer 'rotary' or 'none'.")
     if getattr(config, "position_embedding_type", None) == "rotary" and \
             "position_ids" not in inspect.signature(cls.forward).parameters:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
@@ -169,7 +170,8 @@ class ZooAttention(nn.Module):
         rotary = getattr(config, "position_embedding_type", None) == "rotary"
         self.rotary = RotaryEmbedding(config, self.head_dim) if rotary else None
         self.far_positions = far_positions_of(config, layer_idx) if self.position_free_far_part else "rotary"
-        scale = getattr(config, "far_query_scale", None) if self.far_positions in ("none", "fixed") else None
+        scale = getattr(config, "far_query_scale", None) if self.far_positions != "rotary" else None
+        self.far_position_group = getattr(config, "far_position_group", None)
         self.far_query_scale = None if scale is None else FarQueryScale(
             scale, self.num_heads, config.far_query_scale_length, config.max_position_embeddings)
 
@@ -199,18 +201,30 @@ class ZooAttention(nn.Module):
             position_ids = (past + torch.arange(length, device=device))[None]
         return self.rotary(position_ids, dtype)
 
-    def far_view(self, q, k, q_rotated, k_rotated, position_ids, past: int = 0):
+    def far_view(self, q, k, q_rotated, k_rotated, position_ids, past: int = 0, real_positions=None):
         """(q, k) as the module's far part sees them, from the queries and keys before and after rotation: rotated
-        ("rotary"); not ("none"); or "fixed": the keys not rotated and every query rotated as if at position
+        ("rotary"); not ("none"); "fixed": the keys not rotated and every query rotated as if at position
         `window_size`, so that rotary's relative rotation puts every far key at distance `window_size` from its
-        query (q R(W) · k R(0) = q R(p) · k R(p - W) for any p). The queries of "none" and "fixed" are scaled by
-        `far_query_scale` at their positions (`position_ids`, real positions, or `past, past + 1, ...`). Returns the
-        rotated tensors themselves when nothing changes."""
+        query (q R(W) · k R(0) = q R(p) · k R(p - W) for any p); or "grouped" (Self-Extend): with G =
+        `far_position_group`, a key at real position j rotated as if at floor(j / G) and a query at i as if at
+        floor(i / G) + W - floor(W / G), so the pair sits at W + floor(i / G) - floor(j / G) - floor(W / G) >= W
+        for every far key (j <= i - W): distances continue from the window's edge, G times slower.
+        `real_positions` [B, L] count real tokens from 0 ("grouped" needs them: a left-padded row's first real
+        token is its position 0). The queries of every option but "rotary" are scaled by `far_query_scale` at
+        their positions (`position_ids`, real positions, or `past, past + 1, ...`). Returns the rotated tensors
+        themselves when nothing changes."""
         if self.far_positions == "rotary":
             return q_rotated, k_rotated
         if self.far_positions == "fixed":
             at_window = torch.full((1, q.shape[2]), self.window_size, dtype=torch.long, device=q.device)
             q = self.rotate(q, self.rotary(at_window, q.dtype))
+        elif self.far_positions == "grouped":
+            if real_positions is None:
+                real_positions = (past + torch.arange(q.shape[2], device=q.device))[None]
+            group, window = self.far_position_group, self.window_size
+            grouped = torch.div(real_positions, group, rounding_mode="floor")
+            q = self.rotate(q, self.rotary(grouped + (window - window // group), q.dtype))
+            k = self.rotate(k, self.rotary(grouped, k.dtype))
         if self.far_query_scale is None:
             return q, k
         if position_ids is None:

@@ -15,8 +15,14 @@ RNoPE-SWA ("Rope to Nope and Back Again", arXiv 2501.18795) and SWAN-GPT (arXiv 
   LM-Infinite ("LM-Infinite: Zero-Shot Extreme Length Generalization for Large Language Models", arXiv 2308.16137:
   distances capped) read a model's far context so. Unlike "none" the far part keeps what rotary gives a pair at
   that distance, which the model's heads were trained to read.
+- "grouped" (windowed layers): Self-Extend's grouped positions ("LLM Maybe LongLM: Self-Extend LLM Context Window
+  Without Tuning", arXiv 2401.01325, §3), joined to the window: with G = `far_position_group`, a key at real position
+  j is rotated as if at floor(j / G) and a query at i as if at floor(i / G) + W - floor(W / G), so a far key
+  (j <= i - W) sits at W + floor(i / G) - floor(j / G) - floor(W / G) >= W. Distances go on from the window's edge,
+  G times slower: a model trained on N tokens reads about G (N - W) with distances it trained on, and unlike
+  "fixed" the far keys keep their order (only keys within one group share a position).
 
-Without positions (or with every far key at one distance), attention dilutes as the context grows (more keys share
+Without positions (or with far keys at one or few distances), attention dilutes as the context grows (more keys share
 the mass; "Scalable-Softmax Is Superior for Attention", arXiv 2501.19399, and arXiv 2404.12224), so the far part's
 queries may be scaled with the log of the position p (counted in real tokens, from 0):
 

@@ -32,8 +32,8 @@ on every call (`check_far_outputs`: shape comparisons on the host, no device syn
 is wrong, rather than failing, or broadcasting silently, inside `merge_far`.
 
 The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
-near part's, unless the layer's `far_positions` is "none" or "fixed" (then the keys before rotation, the queries
-before rotation or rotated as if at position W, and scaled as
+near part's, unless the layer's `far_positions` is "none", "fixed" or "grouped" (then the keys before rotation or at
+grouped positions, the queries before rotation, rotated as if at position W or at grouped positions, and scaled as
 `far_query_scale` says; the ring then also keeps the window's keys as the far part sees them, to hand over as they
 leave). The layer projects, rotates and scores: separate q, k, v (q·k / √d), or, where the far part names a config
 field that asks for it (`shared_qk_field`: LSH's `lsh_shared_qk`), one shared query-key projection whose keys the
@@ -79,6 +79,7 @@ from attnzoo.modeling.attention.window import (
     gather_tokens,
     left_align,
     new_token_inputs,
+    real_positions,
     restore_order,
     ring_append,
     ring_leaving,
@@ -266,8 +267,9 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         q, k, v = self._project(hidden_states)
         rotation = self.rotation(position_ids, past, q.shape[2], q.device, q.dtype)
         q_rotated, k_rotated = self.rotate(q, rotation), self.rotate(k, rotation)
-        far_q, far_k = (q_rotated, k_rotated) if self.far is None else self.far_view(q, k, q_rotated, k_rotated,
-                                                                                       position_ids, past)
+        far_q, far_k = (q_rotated, k_rotated) if self.far is None else self.far_view(
+            q, k, q_rotated, k_rotated, position_ids, past,
+            real_positions(layer, valid) if self.far_positions == "grouped" else None)
         return q_rotated, k_rotated, v, far_q, far_k, sink_queries(self, q, position_ids, past, layer, valid)
 
     def forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):

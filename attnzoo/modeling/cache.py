@@ -93,20 +93,20 @@ class SelfManagedCacheLayer(CacheLayerMixin):
             self._map(lambda t: t.to(self.device, non_blocking=True))
 
 
-def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, needed: int,
-                  spare: bool = True) -> torch.Tensor:
+def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, needed: int) -> torch.Tensor:
     """store [B, h, N, ...] with x [B, h, 1, ...] written at token `index` [B] of each row (along axis 2); `needed` (a
-    host number, so no step waits for the device) bounds index + 1. With `spare` the store grows by doubling, so
-    appending a token does not copy the whole store at every step; without, it grows to `needed` exactly (as a KV
-    cache does: memory over speed). New slots are zeros."""
+    host number, so no step waits for the device) bounds index + 1. A full store grows to `needed` plus a few spare
+    tokens (`spare_tokens`; new slots are zeros), so a decoding step copies the store once every N / SPARE_FRACTION
+    steps, not at each. The write is in place: a decoding step's cost is then its own token's, not the store's
+    (at 32K tokens a clone of the far keys and values was most of an `lsh_window` step). A store that autograd
+    recorded (decoding with gradients) or an inference tensor outside inference mode is copied first, so that a
+    graph's saved tensors are never changed."""
     rows = index.view(-1, 1, 1, *([1] * (store.dim() - 3))).expand(-1, store.shape[1], 1, *store.shape[3:])
     if needed > store.shape[2]:
-        grow = (max(needed, 2 * store.shape[2]) if spare else needed) - store.shape[2]
+        grow = needed + spare_tokens(store.shape[2]) - store.shape[2]
         store = torch.nn.functional.pad(store, (0, 0) * (store.dim() - 3) + (0, grow))
-    else:
+    elif store.requires_grad or (store.is_inference() and not torch.is_inference_mode_enabled()):
         store = store.clone()
-    # a copy of this call's own, written in place: out-of-place `scatter` was several times slower on the CPU (at
-    # 32K tokens 26 ms against 3 ms a layer and step, most of a decoding step of the LSH far part)
     return store.scatter_(2, rows, x)
 
 
@@ -135,11 +135,18 @@ class RecurrentStateLayer(SelfManagedCacheLayer):
         self.state = {name: fn(t) for name, t in self.state.items()}
 
 
-#: A token buffer's spare room when it grows, as a fraction of what it holds (at least `MIN_SPARE_TOKENS`): a
-#: decoding cache stays within about 3% of the tokens it holds (a KV cache holds them exactly), and a step copies the
-#: buffer once every capacity / 32 tokens (doubling would hold up to twice the tokens).
-SPARE_FRACTION = 32
-MIN_SPARE_TOKENS = 16
+#: A token buffer's spare room when it grows, as a fraction of what it holds (at least `MIN_SPARE_TOKENS`, where a
+#: buffer is short and its copy cheap). The buffer is then copied once every capacity / 512 steps (on average 512
+#: token rows a step, whatever the length, instead of the whole buffer), and holds at most 0.4% more than its tokens
+#: from 1,024 tokens on: a KV cache holds them exactly, and `lsh_window`'s bucket indices already take 4.7 of the 5%
+#: over a KV cache its state may hold (doubling would hold up to twice the tokens).
+SPARE_FRACTION = 512
+MIN_SPARE_TOKENS = 4
+
+
+def spare_tokens(capacity: int) -> int:
+    """The spare tokens a buffer holding `capacity` gets when it grows."""
+    return max(MIN_SPARE_TOKENS, capacity // SPARE_FRACTION)
 
 
 class TokenBufferLayer(SelfManagedCacheLayer):
@@ -175,7 +182,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         count = first.shape[self.token_dims[name]]
         capacity = self.buffers[name].shape[self.token_dims[name]]
         if self.length + count > capacity:
-            capacity = self.length + count + max(MIN_SPARE_TOKENS, capacity // SPARE_FRACTION)
+            capacity = self.length + count + spare_tokens(capacity)
             self.buffers = {n: _grown(b, capacity, self.token_dims[n]) for n, b in self.buffers.items()}
         for name, x in tokens.items():
             self.buffers[name].narrow(self.token_dims[name], self.length, count).copy_(x.detach())

@@ -16,7 +16,7 @@ from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
 from attnzoo.modeling.attention.window import left_align, restore_order
-from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache
+from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache, spare_tokens
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
     assert_same_values_and_gradients,
@@ -186,9 +186,12 @@ def test_decoding_keeps_each_key_once_and_equals_the_full_forward(settings):
         kept = {"lsh_buckets", "lsh_keys", "lsh_values"} | ({"lsh_rotations"} if "lsh_hash_seed" in settings else set())
         assert type(slot) is RecurrentStateLayer and set(slot.state) == ring | kept
         assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
-        assert slot.state["lsh_buckets"].shape == (2, 4 * 2, t + 1) and slot.state["lsh_buckets"].dtype == torch.int16
-        assert slot.state["lsh_keys"].shape == (2, key_heads, t + 1 - window, 8)
-        assert slot.state["lsh_values"].shape == (2, 2, t + 1 - window, 8)  # key/value heads, not repeated
+        # buffers of the tokens held, grown with a few spare tokens (cache.spare_tokens) when full
+        assert slot.state["lsh_buckets"].shape[:2] == (2, 4 * 2) and slot.state["lsh_buckets"].dtype == torch.int16
+        assert slot.state["lsh_keys"].shape[::3] == (2, 8) and slot.state["lsh_keys"].shape[1] == key_heads
+        assert slot.state["lsh_values"].shape[:2] == (2, 2)  # key/value heads, not repeated
+        for name, held in (("lsh_buckets", t + 1), ("lsh_keys", t + 1 - window), ("lsh_values", t + 1 - window)):
+            assert held <= slot.state[name].shape[2] <= held + spare_tokens(held), (name, t)
     cache = output_cache(out)
     steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
     real = mask.bool()[..., None]

@@ -69,6 +69,7 @@ def most_recent_in_bucket(stored: torch.Tensor, buckets: torch.Tensor, before, k
     key and round (O(R * N) per token) instead of per-bucket lists of recent keys: an [R, buckets, keep] table per
     head whatever the length, which at the Reformer's default bucket count held more than the keys and values of the
     first thousands of tokens (4.3x a KV cache at 1,024 tokens)."""
-    slots = torch.arange(stored.shape[-1], device=stored.device)
-    listed = torch.where((stored == buckets) & (slots < before), slots, -1)
-    return listed.topk(min(keep, listed.shape[-1]), dim=-1).values
+    # compared in the stored dtype (int16: no converted copy of every stored index) and ranked as int32 positions
+    slots = torch.arange(stored.shape[-1], device=stored.device, dtype=torch.int32)
+    listed = torch.where((stored == buckets.to(stored.dtype)) & (slots < before), slots, -1)
+    return listed.topk(min(keep, listed.shape[-1]), dim=-1).values.long()

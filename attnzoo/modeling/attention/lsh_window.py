@@ -344,11 +344,11 @@ class LSHFarPart(LSHBuckets, FarPart):
         candidates = most_recent_in_bucket(buckets, query_buckets, position[:, None, None, None], self.recent_size)
         stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
                                               key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),
-                                              seen + 1, spare=False)
+                                              seen + 1)
         leaving_k, leaving_v, _ = leaving  # the key at position - W, if there is one, goes to the store
         slot, room = (position - self.layer.window_size).clamp(min=0), max(seen + 1 - self.layer.window_size, 1)
-        stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], slot, leaving_k, room, spare=False)
-        stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room, spare=False)
+        stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], slot, leaving_k, room)
+        stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room)
         index = candidates.reshape(batch, heads, 1, -1)
         safe = index.clamp(0, stored["lsh_keys"].shape[2] - 1).flatten(2)  # a key still in the window: not far
         keys = gather_grouped(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)

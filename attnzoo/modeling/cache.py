@@ -149,6 +149,12 @@ def spare_tokens(capacity: int) -> int:
     return max(MIN_SPARE_TOKENS, capacity // SPARE_FRACTION)
 
 
+def with_spare_tokens(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+    """x in a new buffer with `spare_tokens` zero slots after its tokens along `dim`: a prefill's store, so that the
+    first decoding steps do not copy it whole (and no view keeps the prefill's larger tensors alive)."""
+    return _grown(x, x.shape[dim] + spare_tokens(x.shape[dim]), dim)
+
+
 class TokenBufferLayer(SelfManagedCacheLayer):
     """A cache slot holding per-token tensors of every cached position (keys, values, buckets, validity, ...) in
     buffers along each tensor's token axis, sized to the prefill and grown by a few percent (`SPARE_FRACTION`) when
@@ -171,7 +177,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         first, dim = next(iter(tokens.values()))
         self.lazy_initialization(first, first)
         self.length = self.start_length = first.shape[dim]
-        capacity = self.length  # the prefill's tokens exactly; the first append grows it
+        capacity = self.length + spare_tokens(self.length)  # the first steps append without copying the prefill
         self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
         self.buffers = {name: _grown(x.detach(), capacity, dim) for name, (x, dim) in tokens.items()}
         self.sequence = dict(sequence)

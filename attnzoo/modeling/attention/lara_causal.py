@@ -286,8 +286,8 @@ def _no_proposal(counts, keys, values, q_sum, k_sum):
 
 class LaraStateLayer(RecurrentStateLayer):
     """Causal LARA's decoding state (see `_start_state`), with host-side counts of real tokens per row so that
-    chunk completions are known without waiting for the device. Keys and values are kept with spare capacity
-    (doubling), so appending a token does not copy the whole store."""
+    chunk completions are known without waiting for the device. Keys and values are kept with a few spare tokens
+    (`cache.write_at_rows`), so appending a token does not copy the whole store."""
 
     def __init__(self):
         super().__init__()
@@ -300,7 +300,8 @@ class LaraStateLayer(RecurrentStateLayer):
         self.store(positions, **tensors)
 
     def write_token(self, k_hat, v) -> None:
-        """Writes one token's key and value at each row's count (the store grows by doubling); the counts move on."""
+        """Writes one token's key and value at each row's count (the store grows by a few spare tokens when full); the
+        counts move on."""
         index = torch.tensor(self.counts, device=k_hat.device)
         needed = max(self.counts) + 1
         self.state["k_hat"] = write_at_rows(self.state["k_hat"], index, k_hat, needed)

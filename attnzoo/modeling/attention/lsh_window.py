@@ -54,7 +54,7 @@ from attnzoo.modeling.attention.lsh_hashing import (
 )
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
 from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, normalised_far, register_far_part
-from attnzoo.modeling.cache import write_at_rows
+from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
 #: queries per block (and sorted keys per chunk) of separate-QK LSH's sorted blocks: each query scores K + SORTED_BLOCK
@@ -319,8 +319,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         batch, heads, rounds, length = key_buckets.shape
         dtype = self.bucket_index_dtype()
         gone = max(length - self.layer.window_size, 0)
-        state.state.update(lsh_buckets=key_buckets.reshape(batch, heads * rounds, length).to(dtype),
-                           lsh_keys=k[:, :, :gone], lsh_values=v[:, :, :gone])
+        state.state.update(lsh_buckets=with_spare_tokens(key_buckets.reshape(batch, heads * rounds, length).to(dtype)),
+                           lsh_keys=with_spare_tokens(k[:, :, :gone]), lsh_values=with_spare_tokens(v[:, :, :gone]))
         if not self.rotations_recomputable():
             state.state["lsh_rotations"] = rotations
 

@@ -47,7 +47,7 @@ from attnzoo.modeling.attention.random_features import sample_noise_std
 from attnzoo.modeling.attention.randomized import position_uniforms, randomized_aggregate, sample_omega
 from attnzoo.modeling.attention.window import beyond_window, gather_tokens, left_align, restore_order
 from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, register_far_part
-from attnzoo.modeling.cache import write_at_rows
+from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 
 
 def keys_to_sample(far: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class RAFarPart(FarPart):
 
     def parallel(self, q, k, v, n_real, recompute=None, state=None):
         if state is not None:  # a KV cache of the real tokens, at their positions
-            state.state.update(ra_k=k, ra_v=v)
+            state.state.update(ra_k=with_spare_tokens(k), ra_v=with_spare_tokens(v))
         position = torch.arange(q.shape[2], device=q.device)
         far = beyond_window(position[:, None], position[None, :], self.layer.window_size, self.layer.sinks)
         far = far[None, None] & (position < n_real[:, None])[:, None, None, :]

@@ -150,9 +150,15 @@ def spare_tokens(capacity: int) -> int:
 
 
 def with_spare_tokens(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
-    """x in a new buffer with `spare_tokens` zero slots after its tokens along `dim`: a prefill's store, so that the
-    first decoding steps do not copy it whole (and no view keeps the prefill's larger tensors alive)."""
-    return _grown(x, x.shape[dim] + spare_tokens(x.shape[dim]), dim)
+    """x in a new buffer with 1 / SPARE_FRACTION of its tokens as zero slots after them along `dim`: a prefill's
+    store, so that the first decoding steps do not copy a long one whole (and no view keeps the prefill's larger
+    tensors alive). A short one (under SPARE_FRACTION tokens, whose copy is cheap) stays exact until it grows."""
+    return _grown(x, x.shape[dim] + prefill_spare_tokens(x.shape[dim]), dim)
+
+
+def prefill_spare_tokens(tokens: int) -> int:
+    """The spare tokens a prefill's store of `tokens` gets (`with_spare_tokens`)."""
+    return tokens // SPARE_FRACTION
 
 
 class TokenBufferLayer(SelfManagedCacheLayer):
@@ -177,7 +183,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         first, dim = next(iter(tokens.values()))
         self.lazy_initialization(first, first)
         self.length = self.start_length = first.shape[dim]
-        capacity = self.length + spare_tokens(self.length)  # the first steps append without copying the prefill
+        capacity = self.length + prefill_spare_tokens(self.length)  # the first steps do not copy a long prefill
         self.token_dims = {name: dim for name, (_, dim) in tokens.items()}
         self.buffers = {name: _grown(x.detach(), capacity, dim) for name, (x, dim) in tokens.items()}
         self.sequence = dict(sequence)

@@ -1,4 +1,5 @@
 from attnzoo.configuration.base import ZooConfig
+from attnzoo.configuration.block_retrieval import ZooBlockRetrievalSettings
 from attnzoo.configuration.hybrid import ZooHybridConfig
 from attnzoo.configuration.lara import ZooLARAConfig, ZooLARASettings
 from attnzoo.configuration.performer import ZooPerformerConfig, ZooPerformerSettings
@@ -10,6 +11,6 @@ from attnzoo.configuration.window import ZooWindowConfig, ZooWindowSettings
 
 # The family configs; the settings classes are the groups of fields the families' attentions read, which the
 # family configs (and the hybrid one) are built from.
-__all__ = ["ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooLARASettings", "ZooPerformerConfig",
-           "ZooPerformerSettings", "ZooRAConfig", "ZooRASettings", "ZooReformerConfig", "ZooReformerSettings",
-           "ZooSamplingSettings", "ZooSoftmaxConfig", "ZooWindowConfig", "ZooWindowSettings"]
+__all__ = ["ZooBlockRetrievalSettings", "ZooConfig", "ZooHybridConfig", "ZooLARAConfig", "ZooLARASettings",
+           "ZooPerformerConfig", "ZooPerformerSettings", "ZooRAConfig", "ZooRASettings", "ZooReformerConfig",
+           "ZooReformerSettings", "ZooSamplingSettings", "ZooSoftmaxConfig", "ZooWindowConfig", "ZooWindowSettings"]

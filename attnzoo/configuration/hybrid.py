@@ -3,7 +3,8 @@ layer and FAVOR+ in the others (the inter-layer hybrids the linearizing literatu
 Mamba in the Llama", arXiv 2408.15237; "LoLCATs", arXiv 2410.10254), or local windows beside FAVOR+ layers.
 
 `ZooHybridConfig` is built from the settings of every family's attentions (`ZooReformerSettings`,
-`ZooPerformerSettings`, `ZooRASettings`, `ZooLARASettings`, `ZooWindowSettings`), not from the family configs, so
+`ZooPerformerSettings`, `ZooRASettings`, `ZooLARASettings`, `ZooBlockRetrievalSettings`, `ZooWindowSettings`), not
+from the family configs, so
 `attn_layers` may name any registered attention kind, one entry per layer (a shorter list repeats), each setting keeps
 its meaning and its checks, and the backbone's defaults are `ZooConfig`'s (no family's set-up, such as the
 Reformer's reversible, axial, ReLU one, to undo).
@@ -11,6 +12,7 @@ Reformer's reversible, axial, ReLU one, to undo).
 
 from __future__ import annotations
 
+from attnzoo.configuration.block_retrieval import ZooBlockRetrievalSettings
 from attnzoo.configuration.lara import ZooLARASettings
 from attnzoo.configuration.performer import ZooPerformerSettings
 from attnzoo.configuration.ra import ZooRASettings
@@ -18,7 +20,8 @@ from attnzoo.configuration.reformer import ZooReformerSettings
 from attnzoo.configuration.window import ZooWindowSettings
 
 
-class ZooHybridConfig(ZooReformerSettings, ZooPerformerSettings, ZooRASettings, ZooLARASettings, ZooWindowSettings):
+class ZooHybridConfig(ZooReformerSettings, ZooPerformerSettings, ZooRASettings, ZooLARASettings,
+                      ZooBlockRetrievalSettings, ZooWindowSettings):
     r"""
     A stack that mixes attention kinds across families, configured per layer.
 

@@ -25,6 +25,7 @@ WINDOWED = {
     "ra_window": ("ra_window", {}),
     "lsh_window_shared_qk": ("lsh_window", {}),
     "lsh_window_separate_qk": ("lsh_window", {"lsh_shared_qk": False}),
+    "block_window": ("block_window", {"block_size": 2, "block_topk": 2}),
 }
 SCALES = [None, "log", "learned"]
 #: the far positions a windowed layer can give its far part without rotary distances beyond training

@@ -39,7 +39,7 @@ SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, windo
              position_embedding_type="rotary", num_random_features=16, lara_chunk_size=3, lara_num_samples=2,
              lsh_chunk_length=4, lsh_num_buckets=4, lsh_num_hashes=2, lsh_full_attention_threshold=0,
              attention_head_size=None, is_decoder=True, vocab_size=37, num_hidden_layers=2, intermediate_size=48,
-             hidden_dropout_prob=0.0, pad_token_id=0, max_position_embeddings=64)
+             hidden_dropout_prob=0.0, pad_token_id=0, max_position_embeddings=64, block_size=2, block_topk=2)
 TOLERANCE = dict(rtol=1e-9, atol=1e-11)
 
 

@@ -1,0 +1,103 @@
+"""Block retrieval beyond the window ("block_window"): reading every block is exact causal softmax; reading the
+top-k blocks selects the blocks a hand computation of the selection rule selects, and no other far key outside the
+tail; decoding keeps each far key and value once. The contract's checks (reference = fast path, decoding = full
+forward, left padding, remote code) run over it in tests/attention/test_far_part_conformance.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnzoo import ZooHybridConfig, ZooHybridForCausalLM
+from attnzoo.modeling.attention import build_attention
+from attnzoo.modeling.attention.block_window import selectable_blocks
+from attnzoo.transformers_compat import output_cache
+
+
+def config(**overrides) -> ZooHybridConfig:
+    values = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
+                  position_embedding_type="rotary", is_decoder=True, vocab_size=37, num_hidden_layers=2,
+                  intermediate_size=48, hidden_dropout_prob=0.0, pad_token_id=0, max_position_embeddings=64,
+                  attention_head_size=None, block_size=3, block_topk=2, attn_layers=["block_window"])
+    values.update(overrides)
+    return ZooHybridConfig(**values)
+
+
+def left_padded(length=40, pad=5):
+    x = torch.randn(2, length, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, :pad] = False
+    return x, mask, (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def test_reading_every_block_is_exact_causal_softmax():
+    """With top-k at least the number of blocks, every far key is read: window + sinks + far = softmax over every
+    earlier real key, with left padding."""
+    torch.manual_seed(0)
+    block = build_attention("block_window", config(block_topk=20), 0, True).double().eval()
+    full = build_attention("full", config(block_topk=20), 0, True).double().eval()
+    full.load_state_dict(block.state_dict())
+    x, mask, positions = left_padded()
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, attention_mask=mask, position_ids=positions)[mask],
+                                   full(x, attention_mask=mask, position_ids=positions)[mask], rtol=1e-10, atol=1e-12)
+
+
+def test_top_k_reads_the_blocks_the_selection_rule_picks_and_the_tail():
+    """One query, by hand: its block's selection query σ (its block's first query plus the block before), each
+    selectable block's mean key, the top-k of their scores; the far triple is softmax over those blocks' keys and
+    the tail (far keys past the selectable blocks), and differs from reading every far key."""
+    torch.manual_seed(0)
+    layer = build_attention("block_window", config(), 0, True).double().eval()
+    size, window, sinks, topk = 3, 4, 2, 2
+    q = torch.randn(1, 4, 40, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 40, 8, dtype=torch.float64), torch.randn(1, 2, 40, 8, dtype=torch.float64)
+    num, den, lse = layer.far.parallel(q, k, v, torch.tensor([40]))
+    query, head = 37, 3  # block 12 (positions 36-38), key/value head 1
+    start = query - query % size
+    selection = q[0, head, start] + q[0, head, start - size:start].sum(0)
+    selectable = int(selectable_blocks(torch.tensor(start), window, sinks, size))
+    means = torch.stack([k[0, 1, sinks + m * size:sinks + (m + 1) * size].mean(0) for m in range(selectable)])
+    chosen = (means @ selection).topk(topk).indices.tolist()
+    read = [p for m in chosen for p in range(sinks + m * size, sinks + (m + 1) * size)]
+    read += list(range(sinks + selectable * size, query - window + 1))
+    logits = k[0, 1, read] @ q[0, head, query] / math.sqrt(8)
+    torch.testing.assert_close(num[0, head, query], logits.softmax(-1) @ v[0, 1, read], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse[0, head, query], logits.logsumexp(-1), rtol=1e-10, atol=1e-12)
+    assert den[0, head, query] == 1
+    every = list(range(sinks, query - window + 1))
+    assert len(read) < len(every)
+    assert (lse[0, head, query] - (k[0, 1, every] @ q[0, head, query] / math.sqrt(8)).logsumexp(-1)).abs() > 1e-3
+
+
+def test_decoding_keeps_each_far_key_once_and_one_sum_per_block():
+    torch.manual_seed(0)
+    model = ZooHybridForCausalLM(config()).double().eval()
+    ids = torch.randint(1, 37, (2, 30))
+    out = model(ids[:, :20], use_cache=True)
+    for t in range(20, 30):
+        out = model(ids[:, t:t + 1], cache=output_cache(out), use_cache=True)
+    state = output_cache(out).layers[0].state
+    assert {"block_keys", "block_values", "block_key_sums", "block_query_sum", "block_query_sum_before",
+            "block_selection", "block_selected"} <= set(state)
+    held = 30 - 4  # keys that left the window
+    assert state["block_keys"].shape[:2] == (2, 2) and held <= state["block_keys"].shape[2] <= held + 4
+    assert state["block_key_sums"].shape[:2] == (2, 2) and state["block_key_sums"].shape[2] <= math.ceil(held / 3) + 4
+    assert state["block_selection"].shape == (2, 4, 2)
+    with torch.no_grad():
+        cached = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False)
+        uncached = model.generate(ids[:, :20], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert cached.tolist() == uncached.tolist()
+
+
+@pytest.mark.parametrize("field", ["block_size", "block_topk"])
+def test_bad_block_settings_are_refused_naming_the_field(field):
+    with pytest.raises(ValueError, match=rf"{field}=0 is invalid: set a positive integer"):
+        config(**{field: 0})
+
+
+def test_an_encoder_layer_is_refused():
+    with pytest.raises(ValueError, match=r"'block_window' is for causal \(decoder\) layers"):
+        build_attention("block_window", config(), 0, False)

@@ -103,8 +103,7 @@ def write_at_rows(store: torch.Tensor, index: torch.Tensor, x: torch.Tensor, nee
     graph's saved tensors are never changed."""
     rows = index.view(-1, 1, 1, *([1] * (store.dim() - 3))).expand(-1, store.shape[1], 1, *store.shape[3:])
     if needed > store.shape[2]:
-        grow = needed + spare_tokens(store.shape[2]) - store.shape[2]
-        store = torch.nn.functional.pad(store, (0, 0) * (store.dim() - 3) + (0, grow))
+        store = with_room(store, needed)
     elif store.requires_grad or (store.is_inference() and not torch.is_inference_mode_enabled()):
         store = store.clone()
     return store.scatter_(2, rows, x)
@@ -147,6 +146,14 @@ MIN_SPARE_TOKENS = 4
 def spare_tokens(capacity: int) -> int:
     """The spare tokens a buffer holding `capacity` gets when it grows."""
     return max(MIN_SPARE_TOKENS, capacity // SPARE_FRACTION)
+
+
+def with_room(store: torch.Tensor, needed: int, dim: int = 2) -> torch.Tensor:
+    """`store` itself when it holds `needed` tokens along `dim`, else a copy grown to `needed` plus `spare_tokens`
+    (new slots are zeros): the one growth rule of every decoding store."""
+    if needed <= store.shape[dim]:
+        return store
+    return _grown(store, needed + spare_tokens(store.shape[dim]), dim)
 
 
 def with_spare_tokens(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
@@ -192,10 +199,7 @@ class TokenBufferLayer(SelfManagedCacheLayer):
         """Add new tokens (each tensor holds the same number of them along its token axis)."""
         name, first = next(iter(tokens.items()))
         count = first.shape[self.token_dims[name]]
-        capacity = self.buffers[name].shape[self.token_dims[name]]
-        if self.length + count > capacity:
-            capacity = self.length + count + spare_tokens(capacity)
-            self.buffers = {n: _grown(b, capacity, self.token_dims[n]) for n, b in self.buffers.items()}
+        self.buffers = {n: with_room(b, self.length + count, self.token_dims[n]) for n, b in self.buffers.items()}
         for name, x in tokens.items():
             self.buffers[name].narrow(self.token_dims[name], self.length, count).copy_(x.detach())
         self.length += count

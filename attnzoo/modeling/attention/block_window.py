@@ -37,7 +37,7 @@ import torch
 
 from attnzoo.modeling.attention.lsh import gather_grouped
 from attnzoo.modeling.attention.windowed import FarPart, normalised_far, register_far_part
-from attnzoo.modeling.cache import spare_tokens, with_spare_tokens, write_at_rows
+from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 
 #: (query, key) scores one group of query blocks computes at once in the parallel form: a memory bound (256 MB of
 #: float32 scores, and as many gathered keys and values per head width of 64)
@@ -172,10 +172,8 @@ class BlockFarPart(FarPart):
         stored["block_keys"] = write_at_rows(stored["block_keys"], slot, leaving_k, room)
         stored["block_values"] = write_at_rows(stored["block_values"], slot, leaving_v, room)
 
-        sums = stored["block_key_sums"]
         needed = max((seen - window - sinks) // size + 1, 1)
-        if needed > sums.shape[2]:
-            sums = torch.nn.functional.pad(sums, (0, 0, 0, needed + spare_tokens(needed) - sums.shape[2]))
+        sums = with_room(stored["block_key_sums"], needed)  # before reading the joining key's block
         block = torch.div((position - window - sinks).clamp(min=0), size, rounding_mode="floor")
         current = sums.gather(2, block.view(-1, 1, 1, 1).expand(-1, sums.shape[1], 1, sums.shape[3]))
         stored["block_key_sums"] = sums = write_at_rows(sums, block, current + leaving_k * joins[:, None, None, None],

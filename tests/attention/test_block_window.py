@@ -13,6 +13,7 @@ import torch
 from attnzoo import ZooHybridConfig, ZooHybridForCausalLM
 from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.block_window import selectable_blocks
+from attnzoo.modeling.attention.windowed import FarInputs, far_state
 from attnzoo.transformers_compat import output_cache
 
 
@@ -54,7 +55,8 @@ def test_top_k_reads_the_blocks_the_selection_rule_picks_and_the_tail():
     size, window, sinks, topk = 3, 4, 2, 2
     q = torch.randn(1, 4, 40, 8, dtype=torch.float64)
     k, v = torch.randn(1, 2, 40, 8, dtype=torch.float64), torch.randn(1, 2, 40, 8, dtype=torch.float64)
-    num, den, lse = layer.far.parallel(q, k, v, torch.tensor([40]))
+    position = torch.arange(40)[None]
+    num, den, lse, _, _ = layer.far.parallel(FarInputs(q, k, v, position < 40, position))
     query, head = 37, 3  # block 12 (positions 36-38), key/value head 1
     start = query - query % size
     selection = q[0, head, start] + q[0, head, start - size:start].sum(0)
@@ -79,7 +81,7 @@ def test_decoding_keeps_each_far_key_once_and_one_sum_per_block():
     out = model(ids[:, :20], use_cache=True)
     for t in range(20, 30):
         out = model(ids[:, t:t + 1], cache=output_cache(out), use_cache=True)
-    state = output_cache(out).layers[0].state
+    state = far_state(output_cache(out).layers[0])
     assert {"block_keys", "block_values", "block_key_sums", "block_query_sum", "block_query_sum_before",
             "block_selection", "block_selected"} <= set(state)
     held = 30 - 4  # keys that left the window

@@ -40,7 +40,7 @@ def elu_far_part(name: str, breaks: dict | None = None) -> type[FeatureFarPart]:
     breaks = breaks or {}
 
     class EluFarPart(FeatureFarPart):
-        def query_log_features(self, q, state=None):
+        def query_log_features(self, q, constants=None):
             return torch.where(q > 0, torch.log1p(q.clamp(min=0)), q)
 
         key_log_features = query_log_features
@@ -110,19 +110,20 @@ def run_form(attn, form: str):
     return attn(x[:, 8:], attention_mask=torch.ones(2, 9, dtype=torch.bool), cache=cache)
 
 
-CONTRACT = "it must return three tensors (numerator, denominator, log scale) of shapes {}"
+CONTRACT = "it must return a FarOutput (or three tensors: numerator, denominator, log scale) of shapes {}"
 
 
 @pytest.mark.parametrize("form, defect, got, expected", [
     # a numerator one value wider than the values: a bare torch size error before
-    pytest.param("parallel", lambda out: (torch.cat([out[0], out[0][..., :1]], -1), *out[1:]),
+    pytest.param("parallel", lambda out: out._replace(num=torch.cat([out.num, out.num[..., :1]], -1)),
                  "shapes [2, 2, 9, 9], [2, 2, 9], [2, 2, 9]", "[2, 2, 9, 8], [2, 2, 9], [2, 2, 9]",
                  id="parallel-numerator-too-wide"),
     # a denominator summed over the heads, kept as one: broadcast silently over the heads before
-    pytest.param("step", lambda out: (out[0], out[1].sum(1, keepdim=True), out[2]),
+    pytest.param("step", lambda out: out._replace(den=out.den.sum(1, keepdim=True)),
                  "shapes [2, 2, 1, 8], [2, 1, 1], [2, 2, 1]", "[2, 2, 1, 8], [2, 2, 1], [2, 2, 1]",
                  id="step-denominator-one-head"),
     # the log scale with queries and heads swapped
+    # (a plain triple, as a far part without state may return)
     pytest.param("reference", lambda out: (*out[:2], out[2].transpose(1, 2)),
                  "shapes [2, 2, 9, 8], [2, 2, 9], [2, 9, 2]", "[2, 2, 9, 8], [2, 2, 9], [2, 2, 9]",
                  id="reference-log-scale-transposed"),

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from attnzoo import ZooHybridConfig
 from attnzoo.modeling.attention import build_attention
-from attnzoo.modeling.attention.lara_causal import LaraStateLayer
+from attnzoo.modeling.attention.windowed import FAR_STATE, far_state
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
 
@@ -118,7 +118,7 @@ def test_earlier_outputs_do_not_depend_on_later_tokens_even_large_ones():
 
 
 def test_decoding_across_chunk_completions_equals_the_full_forward_and_stores_no_more_than_causal_lara():
-    """The decoding state (a `LaraStateLayer`) holds every real key and value with their key/value heads (a
+    """The decoding state holds every real key and value with their key/value heads (a
     proposal appearing when a chunk completes needs sums over all earlier far keys, as in causal LARA), the
     proposals with per-proposal sums over the keys that have left the window, and the unfinished chunk's landmark
     sums, beside the window's ring (the sinks and the last W tokens): the state is never larger than causal LARA's
@@ -139,14 +139,15 @@ def test_decoding_across_chunk_completions_equals_the_full_forward_and_stores_no
                              use_cache=True)
         steps.append(out.logits)
         slot, lara_slot = output_cache(out).layers[0], output_cache(reference).layers[0]
-        assert isinstance(slot, LaraStateLayer)
+        state = far_state(slot)
         ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
-        assert set(slot.state) == ring | {"k_hat", "v", "omega", "mu", "q_bar", "kv_sum", "key_sum", "key_level",
-                                          "q_sum", "k_sum"}
-        assert slot.counts == [t + 1, t - 2]
+        assert set(state) == {"k_hat", "v", "omega", "mu", "q_bar", "kv_sum", "key_sum", "key_level", "q_sum",
+                              "k_sum"}
+        assert set(slot.state) == ring | {FAR_STATE + name for name in state}
+        assert slot.state["count"].tolist() == [t + 1, t - 2]  # real tokens per row: chunks are counted in them
         # proposal slots: the prior, the 3 chunks the prefill touched (the third unfinished, not yet available),
         # then one per chunk completed while decoding
-        assert slot.state["omega"].shape[2] == 1 + max(3, (t + 1) // 3)
+        assert state["omega"].shape[2] == 1 + max(3, (t + 1) // 3)
         ring_size = sum(slot.state[name].numel() for name in ring)
         assert sum(x.numel() for x in slot.state.values()) <= sum(x.numel() for x in lara_slot.state.values()) + \
             ring_size

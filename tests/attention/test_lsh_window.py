@@ -16,6 +16,7 @@ from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
 from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
 from attnzoo.modeling.attention.window import left_align, restore_order
+from attnzoo.modeling.attention.windowed import FAR_STATE
 from attnzoo.modeling.cache import RecurrentStateLayer, ZooCache, spare_tokens
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
@@ -184,14 +185,16 @@ def test_decoding_keeps_each_key_once_and_equals_the_full_forward(settings):
         # keys and values that have left the window (the ring holds the others), each kept once. Evaluation
         # rotations are drawn again from the seed at every step; per-example ones (lsh_hash_seed) are kept.
         kept = {"lsh_buckets", "lsh_keys", "lsh_values"} | ({"lsh_rotations"} if "lsh_hash_seed" in settings else set())
+        kept = {FAR_STATE + name for name in kept}  # the far part's entries, beside the ring's
         assert type(slot) is RecurrentStateLayer and set(slot.state) == ring | kept
         assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
         # buffers of the tokens held, grown with a few spare tokens (cache.spare_tokens) when full
-        assert slot.state["lsh_buckets"].shape[:2] == (2, 4 * 2) and slot.state["lsh_buckets"].dtype == torch.int16
-        assert slot.state["lsh_keys"].shape[::3] == (2, 8) and slot.state["lsh_keys"].shape[1] == key_heads
-        assert slot.state["lsh_values"].shape[:2] == (2, 2)  # key/value heads, not repeated
+        buckets, keys, values = (slot.state[FAR_STATE + name] for name in ("lsh_buckets", "lsh_keys", "lsh_values"))
+        assert buckets.shape[:2] == (2, 4 * 2) and buckets.dtype == torch.int16
+        assert keys.shape[::3] == (2, 8) and keys.shape[1] == key_heads
+        assert values.shape[:2] == (2, 2)  # key/value heads, not repeated
         for name, held in (("lsh_buckets", t + 1), ("lsh_keys", t + 1 - window), ("lsh_values", t + 1 - window)):
-            assert held <= slot.state[name].shape[2] <= held + spare_tokens(held), (name, t)
+            assert held <= slot.state[FAR_STATE + name].shape[2] <= held + spare_tokens(held), (name, t)
     cache = output_cache(out)
     steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
     real = mask.bool()[..., None]

@@ -17,6 +17,7 @@ from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.ra_window import WindowedRAAttention, keys_to_sample
 from attnzoo.modeling.attention.randomized import randomized_aggregate, sample_omega
 from attnzoo.modeling.attention.window import dense_near_and_far
+from attnzoo.modeling.attention.windowed import FAR_STATE, far_state
 from attnzoo.modeling.cache import spare_tokens
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import (
@@ -239,9 +240,10 @@ def test_cached_decoding_equals_the_full_forward_with_the_ring_and_a_kv_cache(va
     for t in range(6, 30):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
-        state = output_cache(out).layers[0].state
-        assert set(state) == ring | {"ra_k", "ra_v"}
-        assert state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
+        slot = output_cache(out).layers[0]
+        state = far_state(slot)
+        assert set(state) == {"ra_k", "ra_v"} and set(slot.state) == ring | {FAR_STATE + name for name in state}
+        assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
         for name in ("ra_k", "ra_v"):  # real tokens only, with a few spare tokens when a store grows
             assert state[name].shape[:2] == (2, 2) and t + 1 <= state[name].shape[2] <= t + 1 + spare_tokens(t + 1)
     real = mask.bool()[..., None]

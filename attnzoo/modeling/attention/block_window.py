@@ -36,7 +36,7 @@ import math
 import torch
 
 from attnzoo.modeling.attention.lsh import gather_grouped
-from attnzoo.modeling.attention.windowed import FarPart, normalised_far, register_far_part
+from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 
 #: (query, key) scores one group of query blocks computes at once in the parallel form: a memory bound (256 MB of
@@ -76,14 +76,15 @@ class BlockFarPart(FarPart):
         from `tail_start` [...]); the caller allows a tail key up to each query's latest far position."""
         size = self.size
         offsets = torch.arange(size, device=chosen_blocks.device)
-        in_blocks = (self.layer.sinks + chosen_blocks.unsqueeze(-1) * size + offsets).flatten(-2)
+        in_blocks = (self.sinks + chosen_blocks.unsqueeze(-1) * size + offsets).flatten(-2)
         block_ok = chosen.unsqueeze(-1).expand(*chosen.shape, size).flatten(-2)
         return in_blocks, block_ok, tail_start.unsqueeze(-1) + torch.arange(2 * size, device=tail_start.device)
 
     # -- the parallel form ------------------------------------------------------------------------------------------
-    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+    def parallel(self, x: FarInputs) -> FarOutput:
+        q, k, v = x.q, x.k, x.v
         batch, heads, length, dim = q.shape
-        size, window, sinks = self.size, self.layer.window_size, self.layer.sinks
+        size, window, sinks = self.size, self.window_size, self.sinks
         query_blocks = -(-length // size)
         padded = query_blocks * size
         q_blocks = torch.nn.functional.pad(q, (0, 0, 0, padded - length)).view(batch, heads, query_blocks, size, dim)
@@ -92,7 +93,7 @@ class BlockFarPart(FarPart):
         selection_query = q_blocks[:, :, :, 0] + before  # σ_t [B, H, T, d]
 
         key_sums = self._key_block_sums(k)  # [B, kv, n, d]
-        reps = self.layer.expand_kv(key_sums) / size
+        reps = self.expand_kv(key_sums) / size
         starts = torch.arange(query_blocks, device=q.device) * size
         selectable = selectable_blocks(starts, window, sinks, size)  # [T]
         chosen_blocks, chosen = top_blocks(selection_query @ reps.transpose(-1, -2), selectable, self.topk)
@@ -109,17 +110,16 @@ class BlockFarPart(FarPart):
         outputs = [self._attend(q_blocks[:, :, t:t + group], k, v, index[:, :, t:t + group],
                                 allowed[:, :, t:t + group]) for t in range(0, query_blocks, group)]
         num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))
-        if state is not None:
-            self._start_state(state, q_blocks, k, v, n_real, chosen_blocks, chosen)
-        return num, den, lse
+        state = self._start_state(q_blocks, k, v, x.n_real, chosen_blocks, chosen) if x.keep_state else None
+        return FarOutput(num, den, lse, state)
 
     def _key_block_sums(self, k, real_far=None):
         """[B, kv, n, d] sums of the keys of each far-key block (positions S + m b ..), over `real_far` [B, L] keys
         only when given."""
         batch, kv_heads, length, dim = k.shape
-        far = k[:, :, self.layer.sinks:]
+        far = k[:, :, self.sinks:]
         if real_far is not None:
-            far = far * real_far[:, None, self.layer.sinks:, None]
+            far = far * real_far[:, None, self.sinks:, None]
         blocks = max(-(-far.shape[2] // self.size), 1)
         far = torch.nn.functional.pad(far, (0, 0, 0, blocks * self.size - far.shape[2]))
         return far.view(batch, kv_heads, blocks, self.size, dim).sum(3)
@@ -131,20 +131,20 @@ class BlockFarPart(FarPart):
         flat = index.flatten(2)
         keys = gather_grouped(k, flat).view(batch, heads, group, -1, k.shape[-1])
         values = gather_grouped(v, flat).view(batch, heads, group, -1, v.shape[-1])
-        logits = (q_blocks @ keys.transpose(-1, -2)) / math.sqrt(self.layer.head_dim)
+        logits = (q_blocks @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)
         return normalised_far(logits.masked_fill(~allowed, float("-inf")), values)
 
     # -- decoding ---------------------------------------------------------------------------------------------------
-    def _start_state(self, state, q_blocks, k, v, n_real, chosen_blocks, chosen):
+    def _start_state(self, q_blocks, k, v, n_real, chosen_blocks, chosen):
         """The keys and values that have left the window (positions below L - W; the ring holds the rest), the key
         sums of the far keys each row's last token saw, the query sums of its block and the block before, and the
         selection its block made."""
-        window = self.layer.window_size
+        window = self.window_size
         length = k.shape[2]
         gone = max(length - window, 0)
         positions = torch.arange(length, device=k.device)
         last = n_real - 1  # [B]; -1 for a row without real tokens
-        real_far = (positions[None] >= self.layer.sinks) & (positions[None] <= (last - window)[:, None])
+        real_far = (positions[None] >= self.sinks) & (positions[None] <= (last - window)[:, None])
         batch, heads, blocks, size, dim = q_blocks.shape
         real_query = (torch.arange(blocks * size, device=k.device)[None] <= last[:, None]).view(batch, 1, blocks,
                                                                                                size, 1)
@@ -155,19 +155,19 @@ class BlockFarPart(FarPart):
         cur = torch.where(has_tokens, real_sums[rows, :, current], 0.0)
         prev = torch.where(has_tokens & (current > 0)[:, None, None], real_sums[rows, :, (current - 1).clamp(min=0)],
                            0.0)
-        state.state.update(block_keys=with_spare_tokens(k[:, :, :gone]), block_values=with_spare_tokens(v[:, :, :gone]),
-                           block_key_sums=with_spare_tokens(self._key_block_sums(k, real_far)),
-                           block_query_sum=cur, block_query_sum_before=prev,
-                           block_selection=chosen_blocks[rows, :, current],
-                           block_selected=chosen[rows, :, current] & has_tokens)
+        return dict(block_keys=with_spare_tokens(k[:, :, :gone]), block_values=with_spare_tokens(v[:, :, :gone]),
+                    block_key_sums=with_spare_tokens(self._key_block_sums(k, real_far)),
+                    block_query_sum=cur, block_query_sum_before=prev,
+                    block_selection=chosen_blocks[rows, :, current],
+                    block_selected=chosen[rows, :, current] & has_tokens)
 
-    def step(self, state, q, k, v, real, position, leaving):
+    def step(self, x: FarInputs) -> FarOutput:
         """One new token per row: its leaving key joins the store and its block's sum; a real token that opens a
         query block selects anew; the token reads the selected blocks and the tail."""
-        stored = state.state
-        size, window, sinks = self.size, self.layer.window_size, self.layer.sinks
-        seen = state.get_seq_length()  # tokens so far (padding included): a host bound on every position
-        leaving_k, leaving_v, joins = leaving
+        stored, q, seen = dict(x.state), x.q, x.seen
+        position, real = x.position[:, 0], x.valid[:, 0]
+        size, window, sinks = self.size, self.window_size, self.sinks
+        leaving_k, leaving_v, joins = x.leaving
         slot, room = (position - window).clamp(min=0), max(seen + 1 - window, 1)
         stored["block_keys"] = write_at_rows(stored["block_keys"], slot, leaving_k, room)
         stored["block_values"] = write_at_rows(stored["block_values"], slot, leaving_v, room)
@@ -186,7 +186,7 @@ class BlockFarPart(FarPart):
         stored["block_query_sum"] = torch.where(opens, 0.0, stored["block_query_sum"]) + query * real[:, None, None]
         block_start = position - position % size
         selectable = selectable_blocks(block_start, window, sinks, size)  # [B]
-        reps = self.layer.expand_kv(sums) / size
+        reps = self.expand_kv(sums) / size
         new_blocks, new_chosen = top_blocks((reps @ (before + query).unsqueeze(-1)).squeeze(-1),
                                             selectable[:, None], self.topk)
         chosen_blocks = torch.where(opens, new_blocks, stored["block_selection"])
@@ -201,15 +201,16 @@ class BlockFarPart(FarPart):
         index = index.clamp(0, stored["block_keys"].shape[2] - 1)
         keys = gather_grouped(stored["block_keys"], index)  # [B, H, n, d]
         values = gather_grouped(stored["block_values"], index)
-        logits = (keys @ query.unsqueeze(-1)).squeeze(-1) / math.sqrt(self.layer.head_dim)
-        return normalised_far(logits.masked_fill(~allowed, float("-inf")).unsqueeze(-2), values)
+        logits = (keys @ query.unsqueeze(-1)).squeeze(-1) / math.sqrt(self.head_dim)
+        return FarOutput(*normalised_far(logits.masked_fill(~allowed, float("-inf")).unsqueeze(-2), values), stored)
 
     # -- reference --------------------------------------------------------------------------------------------------
-    def reference(self, q, k, v, valid, far, recompute=None):
+    def reference(self, x: FarInputs) -> FarOutput:
         """Dense [L, L] form in the tokens' own order, positions counted in real tokens: each query's selection query
         and each block's mean key as masked sums, the chosen blocks by `topk` over every block, and the far keys it
         reads as a mask (`far` [B, L, L], the window rule's) -> one softmax over them."""
-        size, window, sinks = self.size, self.layer.window_size, self.layer.sinks
+        q, k, v, valid, far = x.q, x.k, x.v, x.valid, x.far
+        size, window, sinks = self.size, self.window_size, self.sinks
         position = valid.long().cumsum(-1) - 1  # [B, L]
         start = position - position % size  # each query's block start
         key_pos = position[:, None, :]
@@ -221,7 +222,7 @@ class BlockFarPart(FarPart):
         key_block = torch.div(position - sinks, size, rounding_mode="floor")  # [B, L]
         member = (key_block[:, :, None] == torch.arange(blocks, device=q.device)) & valid[:, :, None] & \
             (position >= sinks)[:, :, None]  # [B, L, n]
-        reps = self.layer.expand_kv(member.transpose(1, 2).to(k.dtype)[:, None] @ k) / size  # [B, H, n, d]
+        reps = self.expand_kv(member.transpose(1, 2).to(k.dtype)[:, None] @ k) / size  # [B, H, n, d]
         selectable = selectable_blocks(start, window, sinks, size)  # [B, L]
         chosen_blocks, chosen = top_blocks(selection_query @ reps.transpose(-1, -2), selectable[:, None], self.topk)
         picked = torch.zeros(*chosen_blocks.shape[:3], blocks + 1, dtype=torch.bool, device=q.device)
@@ -230,5 +231,5 @@ class BlockFarPart(FarPart):
             -1, q.shape[1], q.shape[2], -1))  # [B, H, L, L]
         in_tail = key_pos >= (sinks + selectable * size)[:, :, None]  # [B, L, L]
         reads_far = far[:, None] & (key_in_picked | in_tail[:, None])
-        logits = (q @ self.layer.expand_kv(k).transpose(-1, -2)) / math.sqrt(self.layer.head_dim)
-        return normalised_far(logits.masked_fill(~reads_far, float("-inf")), self.layer.expand_kv(v))
+        logits = (q @ self.expand_kv(k).transpose(-1, -2)) / math.sqrt(self.head_dim)
+        return FarOutput(*normalised_far(logits.masked_fill(~reads_far, float("-inf")), self.expand_kv(v)))

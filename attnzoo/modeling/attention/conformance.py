@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from attnzoo.modeling.attention.base import ATTENTION_REGISTRY, Recomputation, UsesRecomputation, build_attention
+from attnzoo.modeling.attention.windowed import FarOutput
 from attnzoo.transformers_compat import output_cache
 
 #: the small model every check builds (far-part settings of every family, kept small)
@@ -171,8 +172,8 @@ def wrong_shapes_are_named(kind: str, **settings) -> None:
         original = getattr(far_part_class, form)
 
         def misshapen(self, *args, original=original, **kwargs):
-            num, den, scale = original(self, *args, **kwargs)
-            return num, den[..., :1, :], scale
+            out = FarOutput(*original(self, *args, **kwargs))  # a plain triple too
+            return out._replace(den=out.den[..., :1, :])
 
         setattr(far_part_class, form, misshapen)
         try:

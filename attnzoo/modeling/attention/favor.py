@@ -180,9 +180,12 @@ class FavorProjection:
             self._calls += 1
             owner.redraw_counter.fill_(self._calls)
 
-    def projection(self, layer: RecurrentStateLayer | None) -> torch.Tensor:
-        if layer is not None and "projection" in layer.shared:  # one projection for a whole generation
-            return layer.shared["projection"]
+    def projection(self, constants: dict | None) -> torch.Tensor:
+        """The projection of this forward; `constants`: a decoding generation's constants (a cache slot's
+        `shared`), where the first call puts its projection and every later call reads it: one projection for a
+        whole generation."""
+        if constants is not None and "projection" in constants:
+            return constants["projection"]
         owner = self.projection_owner
         if self.redraw == "learned":
             projection = owner.learned_projection
@@ -195,8 +198,8 @@ class FavorProjection:
         else:
             raise RuntimeError("a training forward of an 'every_step' FAVOR layer needs start_forward() first; the "
                                "model's Transformer calls it, so call the model rather than the layer alone.")
-        if layer is not None:
-            layer.shared["projection"] = projection
+        if constants is not None:
+            constants["projection"] = projection
         return projection
 
 
@@ -224,7 +227,7 @@ class FavorAttention(FavorProjection, DrawsPerForward, InitialisesBuffers, Kerne
         self.projection_loaded()
 
     def log_features(self, x, layer=None):
-        return log_positive_features(x, self.projection(layer), self.hyperbolic)
+        return log_positive_features(x, self.projection(None if layer is None else layer.shared), self.hyperbolic)
 
 
 @register_attention("elu")

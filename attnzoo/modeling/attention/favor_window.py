@@ -55,9 +55,9 @@ class FavorFarPart(FavorProjection, FeatureFarPart):
     def loaded(self) -> None:
         self.projection_loaded()
 
-    def key_log_features(self, k: torch.Tensor, state=None) -> torch.Tensor:
-        return log_positive_features(k, self.projection(state), self.hyperbolic)
+    def key_log_features(self, k: torch.Tensor, constants: dict | None = None) -> torch.Tensor:
+        return log_positive_features(k, self.projection(constants), self.hyperbolic)
 
-    def query_log_features(self, q: torch.Tensor, state=None) -> torch.Tensor:
-        log_q = log_positive_features(q, self.projection(state), self.hyperbolic)
+    def query_log_features(self, q: torch.Tensor, constants: dict | None = None) -> torch.Tensor:
+        log_q = log_positive_features(q, self.projection(constants), self.hyperbolic)
         return log_q - math.log(log_q.shape[-1])  # (1/m) Σ_r exp(ℓ_r(q) + ℓ_r(k)): the 1/m on the query side

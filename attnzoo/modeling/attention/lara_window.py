@@ -21,12 +21,13 @@ The parallel form is `window_linear.feature_far_parallel` with a = log a_ip and 
 `window_size` tokens, per-feature running key maxima folded into the query side, exact and causal). Cost: the
 window's O(L·(W + S)), causal LARA's O(L·P) features (P = 1 + L / chunk) and O((L / W)·P·d) block sums.
 
-Decoding keeps, beside the window's ring, what causal LARA's own decoding keeps (`LaraStateLayer`): every real key
-and value (with `num_key_value_heads` heads), because a proposal that appears when a chunk completes needs its sums
-over all earlier far keys, the proposals and the running landmark sums of the unfinished chunk. Its per-proposal
-sums cover only the keys that have left the window and are not sinks (positions S .. t − W for the token at position
-t), each with its own running maximum. As in causal LARA, tokens fed after a prefill are taken as real (generate()
-extends the mask with ones): chunk completions are counted on the host.
+Decoding keeps, beside the window's ring, what causal LARA's own decoding keeps (`lara_causal.LaraStateLayer`): every
+real key and value (with `num_key_value_heads` heads), because a proposal that appears when a chunk completes needs
+its sums over all earlier far keys, the proposals and the running landmark sums of the unfinished chunk. Its
+per-proposal sums cover only the keys that have left the window and are not sinks (positions S .. t − W for the
+token at position t), each with its own running maximum. Chunk completions are counted on the device, from each
+token's real position (a padded token completes nothing), and a chunk's proposal is computed only when a row
+completes one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from attnzoo.modeling.attention.lara_base import LARASettings
-from attnzoo.modeling.attention.lara_causal import CausalLARATerms, LaraStateLayer
+from attnzoo.modeling.attention.lara_causal import CausalLARATerms
 from attnzoo.modeling.attention.random_features import log_features_at
 from attnzoo.modeling.attention.window import gather_tokens, left_align, restore_order
 from attnzoo.modeling.attention.window_linear import (
@@ -45,7 +46,8 @@ from attnzoo.modeling.attention.window_linear import (
     keys_far_from,
     read_far,
 )
-from attnzoo.modeling.attention.windowed import FarPart, register_far_part
+from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, register_far_part
+from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 
 
 @register_far_part("lara")
@@ -67,70 +69,81 @@ class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
     def landmark_k(self):
         return self.layer.landmark_k
 
-    def new_cache_layer(self):
-        return LaraStateLayer()
-
     # -- the parallel form ------------------------------------------------------------------------------------------
-    def parallel(self, q, k_grouped, v_grouped, n_real, recompute=None, state=None):
-        k, v = self.layer.expand_kv(k_grouped), self.layer.expand_kv(v_grouped)
+    def parallel(self, x: FarInputs) -> FarOutput:
+        q, k, v = x.q, self.expand_kv(x.k), self.expand_kv(x.v)
+        n_real = x.n_real
         terms = self._causal_terms(q, k, v, n_real)  # chunks count real tokens: the rows are left-aligned
-        if state is not None:
-            self._start_state(state, q, k, k_grouped, v_grouped, v, n_real, terms)
-        return feature_far_parallel(terms["log_a"], terms["log_k"], v, n_real, self.layer.window_size,
-                                    self.layer.sinks)
+        out = feature_far_parallel(terms["log_a"], terms["log_k"], v, n_real, self.window_size, self.sinks)
+        return FarOutput(*out, self._start_state(q, k, x.k, x.v, v, n_real, terms) if x.keep_state else None)
 
     # -- decoding ---------------------------------------------------------------------------------------------------
-    def _start_state(self, state, q, k, k_grouped, v_grouped, v, n_real, terms):
+    def _start_state(self, q, k, k_grouped, v_grouped, v, n_real, terms):
         """The state after a prefill of left-aligned tokens: the real keys (scaled, k̂) and values with their
         key/value heads, the proposals of completed chunks, their per-proposal sums over the far keys of the last
         token (positions sinks .. n_real - window - 1), and the running landmark sums of the unfinished chunk."""
         chunk, length = self.chunk_size, q.shape[2]
         position = torch.arange(length, device=q.device)[None, :]
-        gone = keys_far_from(n_real - 1, length, self.layer.window_size, self.layer.sinks)
+        gone = keys_far_from(n_real - 1, length, self.window_size, self.sinks)
         in_partial = terms["token_valid"] & (position >= (n_real // chunk * chunk)[:, None])
         partial = in_partial[:, None, :, None].to(q.dtype)
-        state.start(n_real, 0, k_hat=k_grouped * self.head_dim ** -0.25, v=v_grouped, omega=terms["omega"],
-                    mu=terms["mu"], q_bar=terms["q_bar"], **far_sums(terms["log_k"], v, gone),
+        return dict(k_hat=with_spare_tokens(k_grouped * self.head_dim ** -0.25), v=with_spare_tokens(v_grouped),
+                    omega=terms["omega"], mu=terms["mu"], q_bar=terms["q_bar"], **far_sums(terms["log_k"], v, gone),
                     q_sum=(self._transform(self.landmark_q, q) * partial).sum(2),
                     k_sum=(self._transform(self.landmark_k, k) * partial).sum(2))
 
-    def step(self, state, q, k, v, real, position, leaving):
-        """One new (real) token per row: the key leaving the window joins the far sums, the token joins the store
-        and the landmark sums, the output reads the far part from the sums of the available proposals; a row that
-        completes a chunk then gets that chunk's proposal."""
-        sums, chunk = state.state, self.chunk_size
+    def step(self, x: FarInputs) -> FarOutput:
+        """One new token per row: the key leaving the window joins the far sums, a real token joins the store and
+        the landmark sums, the output reads the far part from the sums of the available proposals; a row whose
+        token completes a chunk then gets that chunk's proposal (`torch.cond`: computed only at a chunk's end,
+        counted on the device from the token's real position)."""
+        sums, chunk = x.state, self.chunk_size
         key_scale = self.head_dim ** -0.25
-        leaving_k, leaving_v, joins = leaving
-        log_k = log_features_at(self.layer.expand_kv(leaving_k) * key_scale, sums["omega"]).squeeze(2)  # [B, H, P]
+        position, real = x.position[:, 0], x.valid[:, 0]
+        leaving_k, leaving_v, joins = x.leaving
+        log_k = log_features_at(self.expand_kv(leaving_k) * key_scale, sums["omega"]).squeeze(2)  # [B, H, P]
         far = add_far_key(sums["kv_sum"], sums["key_sum"], sums["key_level"], log_k,
-                          self.layer.expand_kv(leaving_v).squeeze(2), joins)
-        sums.update(far, q_sum=sums["q_sum"] + self._transform(self.landmark_q, q).squeeze(2),
-                    k_sum=sums["k_sum"] + self._transform(self.landmark_k, self.layer.expand_kv(k)).squeeze(2))
-        state.write_token(k * key_scale, v)
+                          self.expand_kv(leaving_v).squeeze(2), joins)
+        gate = real[:, None, None].to(x.q.dtype)
+        q_sum = sums["q_sum"] + self._transform(self.landmark_q, x.q).squeeze(2) * gate
+        k_sum = sums["k_sum"] + self._transform(self.landmark_k, self.expand_kv(x.k)).squeeze(2) * gate
+        # the token's key at its position (a padded token's is overwritten by the next real one)
+        k_hat = write_at_rows(sums["k_hat"], position, x.k * key_scale, x.seen + 1)
+        v = write_at_rows(sums["v"], position, x.v, x.seen + 1)
         # the proposals available to this token: 0 .. position // chunk
-        available = torch.arange(sums["omega"].shape[2], device=q.device)[None, :] <= (position // chunk)[:, None]
-        log_a = self._weights(q * key_scale, sums["omega"], sums["mu"], sums["q_bar"], available[:, None, :])
+        available = torch.arange(sums["omega"].shape[2], device=x.q.device)[None, :] <= (position // chunk)[:, None]
+        log_a = self._weights(x.q * key_scale, sums["omega"], sums["mu"], sums["q_bar"], available[:, None, :])
         out = read_far(log_a, far["kv_sum"], far["key_sum"], far["key_level"])
-        finished = [row for row, n in enumerate(state.counts) if n % chunk == 0]
-        if finished:
-            self._add_proposals(state, finished)
-        return out
+        proposals = {"omega": sums["omega"], "mu": sums["mu"], "q_bar": sums["q_bar"], **far}
+        finished = real & ((position + 1) % chunk == 0)  # [B]
+        new = torch.cond(finished.any(), self._chunk_proposal, _no_proposal, (position, k_hat, v, q_sum, k_sum))
+        slot = (position + 1) // chunk  # the next proposal slot of a row that finished (unused otherwise)
+        batch, heads = q_sum.shape[:2]
+        needed = (x.seen + 1) // chunk + 1  # a slot for every chunk the tokens so far can have completed
+        for name, fresh in zip(("omega", "mu", "q_bar", "kv_sum", "key_sum", "key_level"), new, strict=True):
+            current = proposals[name]
+            if current.shape[2] < needed:  # once per chunk: exactly the slots causal LARA's state holds
+                pad = [0, 0] * (current.dim() - 3) + [0, needed - current.shape[2]]
+                current = torch.nn.functional.pad(current, pad)
+            index = slot.view(batch, 1, 1, *([1] * (current.dim() - 3))).expand(batch, heads, 1, *current.shape[3:])
+            kept = torch.where(finished.view(batch, *([1] * (current.dim() - 1))), fresh.unsqueeze(2),
+                               current.gather(2, index))
+            proposals[name] = current.scatter(2, index, kept)
+        keep = ~finished[:, None, None]
+        return FarOutput(*out, dict(proposals, k_hat=k_hat, v=v, q_sum=q_sum * keep, k_sum=k_sum * keep))
 
-    def _add_proposals(self, state, rows):
-        """Proposals for rows that just completed a chunk: Eq. 34 from the chunk's landmarks, with per-proposal sums
-        over the stored keys that have left the window and are not sinks (O(n·d) once per chunk)."""
-        sums = state.state
-        rows_t = torch.tensor(rows, device=sums["k_hat"].device)
-        omega, mu, q_bar = self._landmark_proposal(sums["q_sum"][rows_t], sums["k_sum"][rows_t])
-        keys, values = self.layer.expand_kv(sums["k_hat"][rows_t]), self.layer.expand_kv(sums["v"][rows_t])
-        count = torch.tensor([state.counts[r] for r in rows], device=keys.device)
-        gone = keys_far_from(count - 1, keys.shape[2], self.layer.window_size, self.layer.sinks)
-        log_k = log_features_at(keys, omega.unsqueeze(2))  # [rows, H, N, 1]
-        far = {name: value.squeeze(2) for name, value in far_sums(log_k, values, gone).items()}
-        state.set_proposals(rows, [state.counts[r] // self.chunk_size for r in rows], omega=omega, mu=mu, q_bar=q_bar,
-                            **far)
-        for name in ("q_sum", "k_sum"):
-            sums[name] = sums[name].index_fill(0, rows_t, 0.0)
+    def _chunk_proposal(self, position, keys, values, q_sum, k_sum):
+        """For every row, the proposal of the chunk its last `chunk_size` real tokens form (Eq. 34 from their landmark
+        sums) with its sums over the stored keys that are far from the token at `position` [B] (O(n·d), once per
+        chunk): (ω, μ, q̄ [B, H, d], kv_sum [B, H, e], key_sum, key_level [B, H]). The step keeps it for the rows
+        that just completed a chunk."""
+        omega, mu, q_bar = self._landmark_proposal(q_sum, k_sum)
+        gone = keys_far_from(position, keys.shape[2], self.window_size, self.sinks)
+        log_k = log_features_at(self.expand_kv(keys), omega.unsqueeze(2))  # [B, H, N, 1]
+        far = far_sums(log_k, self.expand_kv(values), gone)
+        # dense layouts, as `_no_proposal`'s: the two branches' outputs must have the same strides
+        return tuple(t.clone(memory_format=torch.contiguous_format) for t in (
+            omega, mu, q_bar, far["kv_sum"].squeeze(2), far["key_sum"].squeeze(2), far["key_level"].squeeze(2)))
 
     # -- reference --------------------------------------------------------------------------------------------------
     def reference_terms(self, q, k, v, valid):
@@ -140,7 +153,16 @@ class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
         terms = self._causal_terms(*(gather_tokens(x, order) for x in (q, k, v)), valid.sum(-1))
         return tuple(restore_order(terms[name], order) for name in ("log_a", "log_k"))
 
-    def reference(self, q, k, v, valid, far, recompute=None):
+    def reference(self, x: FarInputs) -> FarOutput:
         """The dense form, no stabilisation: κ_ij = Σ_p exp(log a_ip + log ξ(k̂_j, ω_p)) on the far keys."""
-        k, v = self.layer.expand_kv(k), self.layer.expand_kv(v)
-        return dense_feature_far(*self.reference_terms(q, k, v, valid), v, far)
+        k, v = self.expand_kv(x.k), self.expand_kv(x.v)
+        return FarOutput(*dense_feature_far(*self.reference_terms(x.q, k, v, x.valid), v, x.far))
+
+
+def _no_proposal(position, keys, values, q_sum, k_sum):
+    """The branch of the step's `torch.cond` where no row completed a chunk: placeholders of the proposal's shapes,
+    never kept."""
+    batch, heads, dim = q_sum.shape
+    return (q_sum.new_zeros(batch, heads, dim), q_sum.new_zeros(batch, heads, dim), q_sum.new_zeros(batch, heads, dim),
+            values.new_zeros(batch, heads, values.shape[-1]), q_sum.new_zeros(batch, heads),
+            q_sum.new_zeros(batch, heads))

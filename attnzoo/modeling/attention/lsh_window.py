@@ -53,7 +53,14 @@ from attnzoo.modeling.attention.lsh_hashing import (
     sort_by_bucket,
 )
 from attnzoo.modeling.attention.window import beyond_window, left_align, restore_order
-from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, normalised_far, register_far_part
+from attnzoo.modeling.attention.windowed import (
+    FarInputs,
+    FarOutput,
+    FarPart,
+    log_far_mass,
+    normalised_far,
+    register_far_part,
+)
 from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 
@@ -113,10 +120,6 @@ class LSHFarPart(LSHBuckets, FarPart):
         """The far part's score scale, the layer's: 1 with shared QK (LSH's scores), 1 / √d with separate QK."""
         return 1.0 if self.shared_qk else 1.0 / math.sqrt(self.head_dim)
 
-    @property
-    def near_dropout(self) -> float:
-        return self.dropout_rate
-
     def _far_logits(self, q, keys):
         """Scores of queries q [..., T, d] against the keys retrieved for them [..., T, n, d] (shared QK: normalised,
         unscaled)."""
@@ -127,7 +130,7 @@ class LSHFarPart(LSHBuckets, FarPart):
     # -- hashing ----------------------------------------------------------------------------------------------------
     def _hash_keys(self, k, rotations, factors, valid):
         """Key buckets [B, H, R, L]: separate keys are hashed per query head, with that head's rotations."""
-        return self.hash_vectors(self.layer.expand_kv(k), rotations, factors, valid)
+        return self.hash_vectors(self.expand_kv(k), rotations, factors, valid)
 
     def _buckets(self, q, k, valid, recompute):
         """(query buckets, key buckets [B, H, R, L], rotations or None) of this forward: hashed with new rotations
@@ -152,22 +155,25 @@ class LSHFarPart(LSHBuckets, FarPart):
         # A query's own key is always in its window, so the far part has no self penalty: a query without far keys
         # gets the floor log-sum-exp there and no weight.
         fields["self_penalty"] = False
-        return FarKeyMask(**fields, window_size=self.layer.window_size, sinks=self.layer.sinks)
+        return FarKeyMask(**fields, window_size=self.window_size, sinks=self.sinks)
 
-    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+    def parallel(self, x: FarInputs) -> FarOutput:
+        query_buckets, key_buckets, rotations = self._buckets(x.q, x.k, x.valid, x.recompute)  # padding: extra bucket
+        state = self._start_state(x.k, x.v, key_buckets, rotations) if x.keep_state else None
+        if not self.shared_qk:
+            return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets, key_buckets), state)
+        return FarOutput(*self._far_of_shared_qk(x.q, x.k, x.v, query_buckets, x.recompute), state)
+
+    def _far_of_shared_qk(self, q, k, v, query_buckets, recompute):
+        """The far triple of shared-QK LSH for left-aligned queries: LSH's chunked bucket attention with the window's
+        keys masked out (`window_mask`)."""
         length = q.shape[2]
         num_buckets = math.prod(self.bucket_factors())
-        valid = torch.arange(length, device=q.device)[None, :] < n_real[:, None]
-        query_buckets, key_buckets, rotations = self._buckets(q, k, valid, recompute)  # padding: the extra bucket
-        if state is not None:
-            self._start_state(state, k, v, key_buckets, rotations)
-        if not self.shared_qk:
-            return self._far_of_sorted_blocks(q, k, v, query_buckets, key_buckets)
         m = self.chunk_length
         buckets = pad_to_multiple(query_buckets, m, dim=3, value=num_buckets)
         # On a recomputation the backward follows at once: keeping the probabilities costs no peak memory.
         replaying = recompute is not None and recompute.replaying
-        out, lse = self.lsh_attention(pad_to_multiple(q, m, dim=2), pad_to_multiple(self.layer.expand_kv(v), m, dim=2),
+        out, lse = self.lsh_attention(pad_to_multiple(q, m, dim=2), pad_to_multiple(self.expand_kv(v), m, dim=2),
                                       buckets, sort_by_bucket(buckets), num_buckets, save_probs=replaying,
                                       return_lse=True, keys=None if k is q else pad_to_multiple(k, m, dim=2))
         return out[:, :, :length], torch.ones_like(lse[:, :, :length]), lse[:, :, :length]
@@ -188,7 +194,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         batch, heads, rounds, length = query_buckets.shape
         device, C, K = q.device, SORTED_BLOCK, self.recent_size
         # Queries before position W + S have no far key (positions count real tokens: the rows are left-aligned).
-        first = min(self.layer.window_size + self.layer.sinks, length)
+        first = min(self.window_size + self.sinks, length)
         none = (q.new_zeros(batch, heads, first, v.shape[-1]), q.new_ones(batch, heads, first),
                 q.new_full((batch, heads, first), float("-inf")))
         if first == length:
@@ -270,8 +276,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         slot = slot.int()[..., None, :]
         far = slot >= q_low  # [B, H, R, n, C, S], built in place
         far &= slot < q_before
-        far &= (key_at >= self.layer.sinks).unsqueeze(-2)
-        far &= key_at.unsqueeze(-2) <= (query_pos + (first - self.layer.window_size)).unsqueeze(-1)
+        far &= (key_at >= self.sinks).unsqueeze(-2)
+        far &= key_at.unsqueeze(-2) <= (query_pos + (first - self.window_size)).unsqueeze(-1)
         if self.duplicate_correction:
             # a pair listed in an earlier round already counts there: each key once (the reference's correction)
             query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)
@@ -299,7 +305,7 @@ class LSHFarPart(LSHBuckets, FarPart):
     def _far_softmax(self, q, index, position, keys, values):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at
         `index` [B, H, T, n] (-1: none; keys, values [B, H, T, n, d] gathered there): those beyond the window."""
-        far = (index >= 0) & beyond_window(position, index, self.layer.window_size, self.layer.sinks)
+        far = (index >= 0) & beyond_window(position, index, self.window_size, self.sinks)
         logits = self._far_logits(q, keys)
         if self.duplicate_correction:
             # A key listed in c slots counts once: the correction's logit s - log(c) in each of its c slots sums to
@@ -313,22 +319,24 @@ class LSHFarPart(LSHBuckets, FarPart):
         return num.squeeze(-2), den.squeeze(-1), lse.squeeze(-1)
 
     # -- decoding ---------------------------------------------------------------------------------------------------
-    def _start_state(self, state, k, v, key_buckets, rotations):
+    def _start_state(self, k, v, key_buckets, rotations):
         """Every key's buckets (as [B, H * R, L] indices), the keys and values that have left the window (positions
         below L - W; the ring holds the rest) and, unless decoding can draw them again, the rotations."""
         batch, heads, rounds, length = key_buckets.shape
         dtype = self.bucket_index_dtype()
-        gone = max(length - self.layer.window_size, 0)
-        state.state.update(lsh_buckets=with_spare_tokens(key_buckets.reshape(batch, heads * rounds, length).to(dtype)),
-                           lsh_keys=with_spare_tokens(k[:, :, :gone]), lsh_values=with_spare_tokens(v[:, :, :gone]))
+        gone = max(length - self.window_size, 0)
+        state = dict(lsh_buckets=with_spare_tokens(key_buckets.reshape(batch, heads * rounds, length).to(dtype)),
+                     lsh_keys=with_spare_tokens(k[:, :, :gone]), lsh_values=with_spare_tokens(v[:, :, :gone]))
         if not self.rotations_recomputable():
-            state.state["lsh_rotations"] = rotations
+            state["lsh_rotations"] = rotations
+        return state
 
-    def step(self, state, q, k, v, real, position, leaving):
+    def step(self, x: FarInputs) -> FarOutput:
         """One new token per row: hash its query (and key) with the prefill's rotations, find the most recent earlier
         keys of the query's bucket among the stored bucket indices, record the new key's buckets and the key that
         leaves the window, and attend to the candidates that are far from the token."""
-        stored = state.state
+        stored, q, k, seen = dict(x.state), x.q, x.k, x.seen
+        position, real = x.position[:, 0], x.valid[:, 0]
         batch, heads, _, dim = q.shape
         factors = self.bucket_factors()
         rotations = stored.get("lsh_rotations")
@@ -338,31 +346,31 @@ class LSHFarPart(LSHBuckets, FarPart):
         not_real = ~real[:, None, None, None]
         query_buckets = hash_buckets(q, rotations, factors).masked_fill(not_real, math.prod(factors))
         key_buckets = query_buckets if self.shared_qk else \
-            hash_buckets(self.layer.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
-        seen = state.get_seq_length()  # tokens so far (padding included): a host bound on every position
+            hash_buckets(self.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
         buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
         candidates = most_recent_in_bucket(buckets, query_buckets, position[:, None, None, None], self.recent_size)
         stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
                                               key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),
                                               seen + 1)
-        leaving_k, leaving_v, _ = leaving  # the key at position - W, if there is one, goes to the store
-        slot, room = (position - self.layer.window_size).clamp(min=0), max(seen + 1 - self.layer.window_size, 1)
+        leaving_k, leaving_v, _ = x.leaving  # the key at position - W, if there is one, goes to the store
+        slot, room = (position - self.window_size).clamp(min=0), max(seen + 1 - self.window_size, 1)
         stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], slot, leaving_k, room)
         stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room)
         index = candidates.reshape(batch, heads, 1, -1)
         safe = index.clamp(0, stored["lsh_keys"].shape[2] - 1).flatten(2)  # a key still in the window: not far
         keys = gather_grouped(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)
         values = gather_grouped(stored["lsh_values"], safe).view(batch, heads, 1, index.shape[-1], -1)
-        return self._far_softmax(q, index, position[:, None, None, None], keys, values)
+        return FarOutput(*self._far_softmax(q, index, position[:, None, None, None], keys, values), stored)
 
     # -- reference --------------------------------------------------------------------------------------------------
-    def reference(self, q, k, v, valid, far, recompute=None):
+    def reference(self, x: FarInputs) -> FarOutput:
         """Dense [L, L] form in the tokens' own order: per round, key j is a candidate of query i when LSH's window
         lists it (shared QK: same bucket within K sorted slots before, or within the neighbouring chunks; separate:
         one of the K most recent earlier keys in the query's bucket); the far keys listed in c_ij rounds get the
         logit s_ij + log(c_ij) (the rounds' log-sum-exp combination), or s_ij with the duplicate correction.
         Rotations are drawn as `parallel` draws them, or the buckets come from a replaying `recompute` (saved in
         left-aligned order)."""
+        q, k, v, valid, recompute = x.q, x.k, x.v, x.valid, x.recompute
         if recompute is not None and recompute.replaying:
             order = left_align(valid)
             query_buckets, key_buckets = (
@@ -387,10 +395,10 @@ class LSHFarPart(LSHBuckets, FarPart):
         rounds_listing = candidate.sum(dim=2)  # [B, H, L, L]
         if self.duplicate_correction:
             rounds_listing = rounds_listing.clamp(max=1)
-        listed = far[:, None] & (rounds_listing > 0)
-        keys = normalize_keys(k) if self.shared_qk else self.layer.expand_kv(k)
+        listed = x.far[:, None] & (rounds_listing > 0)
+        keys = normalize_keys(k) if self.shared_qk else self.expand_kv(k)
         logits = (q @ keys.transpose(-1, -2)) * self.scale + rounds_listing.to(q.dtype).log()
-        return normalised_far(logits.masked_fill(~listed, float("-inf")), self.layer.expand_kv(v))
+        return FarOutput(*normalised_far(logits.masked_fill(~listed, float("-inf")), self.expand_kv(v)))
 
 
 class SeparateQKLSHAttention(LSHFarPart.layer_class):
@@ -418,7 +426,10 @@ class SeparateQKLSHAttention(LSHFarPart.layer_class):
                              "queries and keys every query attends to its own key, so set "
                              "lsh_full_attention_threshold=0 (or None).")
         super().__init__(config, layer_idx, causal)
-        self.window_size, self.sinks = 1, 0  # the near part is the query's own key
+
+    @classmethod
+    def near_span(cls, config) -> tuple[int, int]:
+        return 1, 0  # the near part is the query's own key
 
 
 LSHAttention.separate_qk_layer = SeparateQKLSHAttention

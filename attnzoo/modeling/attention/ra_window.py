@@ -46,7 +46,7 @@ import torch
 from attnzoo.modeling.attention.random_features import sample_noise_std
 from attnzoo.modeling.attention.randomized import position_uniforms, randomized_aggregate, sample_omega
 from attnzoo.modeling.attention.window import beyond_window, gather_tokens, left_align, restore_order
-from attnzoo.modeling.attention.windowed import FarPart, log_far_mass, register_far_part
+from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, log_far_mass, register_far_part
 from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 
 
@@ -91,25 +91,26 @@ class RAFarPart(FarPart):
         log_mass = log_far_mass((q_hat @ k_hat.transpose(-1, -2)).masked_fill(~far, float("-inf")))  # log Z_n
         return value, torch.ones_like(log_mass), log_mass
 
-    def parallel(self, q, k, v, n_real, recompute=None, state=None):
-        if state is not None:  # a KV cache of the real tokens, at their positions
-            state.state.update(ra_k=with_spare_tokens(k), ra_v=with_spare_tokens(v))
-        position = torch.arange(q.shape[2], device=q.device)
-        far = beyond_window(position[:, None], position[None, :], self.layer.window_size, self.layer.sinks)
-        far = far[None, None] & (position < n_real[:, None])[:, None, None, :]
-        return self._far(q, self.layer.expand_kv(k), self.layer.expand_kv(v), far, position[None], position[None])
+    def parallel(self, x: FarInputs) -> FarOutput:
+        position = torch.arange(x.q.shape[2], device=x.q.device)
+        far = beyond_window(position[:, None], position[None, :], self.window_size, self.sinks)
+        far = far[None, None] & x.valid[:, None, None, :]
+        out = self._far(x.q, self.expand_kv(x.k), self.expand_kv(x.v), far, position[None], position[None])
+        # decoding keeps a KV cache of the real tokens, at their positions
+        state = dict(ra_k=with_spare_tokens(x.k), ra_v=with_spare_tokens(x.v)) if x.keep_state else None
+        return FarOutput(*out, state)
 
-    def step(self, state, q, k, v, real, position, leaving):
-        stored = state.state
-        needed = state.get_seq_length() + 1  # positions never exceed the tokens seen
-        stored["ra_k"] = write_at_rows(stored["ra_k"], position, k, needed)
-        stored["ra_v"] = write_at_rows(stored["ra_v"], position, v, needed)
-        key_position = torch.arange(stored["ra_k"].shape[2], device=q.device)[None]
-        far = beyond_window(position[:, None], key_position, self.layer.window_size, self.layer.sinks)
-        return self._far(q, self.layer.expand_kv(stored["ra_k"]), self.layer.expand_kv(stored["ra_v"]),
-                         far[:, None, None, :], position[:, None], key_position)
+    def step(self, x: FarInputs) -> FarOutput:
+        position, needed = x.position[:, 0], x.seen + 1  # positions never exceed the tokens seen
+        stored = {"ra_k": write_at_rows(x.state["ra_k"], position, x.k, needed),
+                  "ra_v": write_at_rows(x.state["ra_v"], position, x.v, needed)}
+        key_position = torch.arange(stored["ra_k"].shape[2], device=x.q.device)[None]
+        far = beyond_window(position[:, None], key_position, self.window_size, self.sinks)
+        out = self._far(x.q, self.expand_kv(stored["ra_k"]), self.expand_kv(stored["ra_v"]), far[:, None, None, :],
+                        position[:, None], key_position)
+        return FarOutput(*out, stored)
 
-    def reference(self, q, k, v, valid, far, recompute=None):
+    def reference(self, x: FarInputs) -> FarOutput:
         """Dense kernels in the compute dtype, the same draws: on the far keys RA's importance weights
         ξ(q̂_n, ω) ξ(k̂_m, ω) N(ω; 0, I) / p_n(ω) with the mixture density p_n written out, averaged over the draws
         -> (far numerator, far denominator, log scale). Each factor is written as its logarithm and the weights are
@@ -117,11 +118,11 @@ class RAFarPart(FarPart):
         underflow at trained scales (NaN as inf / inf or 0 / 0), while a weight over Z_n is the mixture component's
         share of p_n(ω), at most 1. Computed on left-aligned rows, as the parallel form draws there (training draws
         come from the global RNG in that order), and moved back."""
-        order = left_align(valid)
-        q, k, v = (gather_tokens(x, order) for x in (q, k, v))
-        far = far.gather(1, order[:, :, None].expand_as(far)).gather(2, order[:, None, :].expand_as(far))
+        order = left_align(x.valid)
+        q, k, v = (gather_tokens(t, order) for t in (x.q, x.k, x.v))
+        far = x.far.gather(1, order[:, :, None].expand_as(x.far)).gather(2, order[:, None, :].expand_as(x.far))
         scale = self.head_dim ** -0.25
-        q_hat, k_hat, v = q * scale, self.layer.expand_kv(k) * scale, self.layer.expand_kv(v)
+        q_hat, k_hat, v = q * scale, self.expand_kv(k) * scale, self.expand_kv(v)
         dim = q_hat.shape[-1]
         positions = torch.arange(q.shape[2], device=q.device)[None]  # real positions, for the evaluation draws
         far = far[:, None]  # [B, 1, N, M]
@@ -151,4 +152,4 @@ class RAFarPart(FarPart):
             ~far.unsqueeze(3), float("-inf")).exp()
         numerator = restore_order((importance @ v.unsqueeze(2)).mean(3), order)  # [B, H, N, e], over Z_n
         denominator = restore_order(importance.sum(-1).mean(3)[..., None], order)[..., 0]
-        return numerator, denominator, restore_order(log_mass[..., None], order)[..., 0]
+        return FarOutput(numerator, denominator, restore_order(log_mass[..., None], order)[..., 0])

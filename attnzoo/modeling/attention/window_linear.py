@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from attnzoo.modeling.attention.random_features import NO_KEY_LEVEL
 from attnzoo.modeling.attention.window import beyond_window
-from attnzoo.modeling.attention.windowed import FarPart
+from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart
 from attnzoo.ops.decayed_linear_attention import decayed_cumsum
 
 
@@ -156,31 +156,38 @@ class FeatureFarPart(FarPart):
     """A far part whose kernel is κ_ij = Σ_p exp(a_ip + b_jp) with query log-features a = `query_log_features(q)`
     and key log-features b = `key_log_features(k)` ([B, H, N, P], −inf allowed), on the scale of exp(s_ij): the
     blocked parallel form, the decoding sums over the keys that left the window and the dense reference above.
-    `state` is the decoding cache slot, or None (a random feature map keeps its draw there for a whole
-    generation)."""
+    `constants` is the dict of per-generation constants when decoding (a random feature map keeps its draw there for
+    a whole generation, and a prefill's features may add it), else None."""
 
-    def query_log_features(self, q: torch.Tensor, state=None) -> torch.Tensor:
+    def query_log_features(self, q: torch.Tensor, constants: dict | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def key_log_features(self, k: torch.Tensor, state=None) -> torch.Tensor:
+    def key_log_features(self, k: torch.Tensor, constants: dict | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def parallel(self, q, k, v, n_real, recompute=None, state=None):
-        k, v = self.layer.expand_kv(k), self.layer.expand_kv(v)
-        log_k = self.key_log_features(k, state)
-        window, sinks = self.layer.window_size, self.layer.sinks
-        if state is not None:  # the far keys of each row's last token
-            state.state.update(far_sums(log_k, v, keys_far_from(n_real - 1, k.shape[2], window, sinks)))
-        return feature_far_parallel(self.query_log_features(q, state), log_k, v, n_real, window, sinks)
+    def parallel(self, x: FarInputs) -> FarOutput:
+        constants = {} if x.keep_state else None
+        k, v = self.expand_kv(x.k), self.expand_kv(x.v)
+        log_k = self.key_log_features(k, constants)
+        n_real = x.n_real
+        num, den, scale = feature_far_parallel(self.query_log_features(x.q, constants), log_k, v, n_real,
+                                               self.window_size, self.sinks)
+        if not x.keep_state:
+            return FarOutput(num, den, scale)
+        # the far keys of each row's last token
+        state = far_sums(log_k, v, keys_far_from(n_real - 1, k.shape[2], self.window_size, self.sinks))
+        return FarOutput(num, den, scale, state, constants)
 
-    def step(self, state, q, k, v, real, position, leaving):
-        leaving_k, leaving_v, joins = leaving
-        sums = state.state
-        log_k = self.key_log_features(self.layer.expand_kv(leaving_k), state).squeeze(2)  # [B, H, P]
-        sums.update(add_far_key(sums["kv_sum"], sums["key_sum"], sums["key_level"], log_k,
-                                self.layer.expand_kv(leaving_v).squeeze(2), joins))
-        return read_far(self.query_log_features(q, state), sums["kv_sum"], sums["key_sum"], sums["key_level"])
+    def step(self, x: FarInputs) -> FarOutput:
+        leaving_k, leaving_v, joins = x.leaving
+        sums = x.state
+        log_k = self.key_log_features(self.expand_kv(leaving_k), x.constants).squeeze(2)  # [B, H, P]
+        state = add_far_key(sums["kv_sum"], sums["key_sum"], sums["key_level"], log_k,
+                            self.expand_kv(leaving_v).squeeze(2), joins)
+        far = read_far(self.query_log_features(x.q, x.constants), state["kv_sum"], state["key_sum"],
+                       state["key_level"])
+        return FarOutput(*far, state)
 
-    def reference(self, q, k, v, valid, far, recompute=None):
-        k, v = self.layer.expand_kv(k), self.layer.expand_kv(v)
-        return dense_feature_far(self.query_log_features(q), self.key_log_features(k), v, far)
+    def reference(self, x: FarInputs) -> FarOutput:
+        k, v = self.expand_kv(x.k), self.expand_kv(x.v)
+        return FarOutput(*dense_feature_far(self.query_log_features(x.q), self.key_log_features(k), v, x.far))

@@ -16,20 +16,27 @@ counted in real tokens; W = `window_size`, S = `num_sink_tokens`):
 "window", which is this layer with no far part) in all its forms: the parallel form on left-aligned rows (the op
 `attnzoo.ops.window_attention`: PyTorch's fused flash-attention kernel on the CPU, about L * W work per head, or the
 blocked PyTorch path), the decoding ring (`window.ring_*`: the sinks and the last W tokens) and the dense reference
-(`window.dense_near_and_far`). A `FarPart` gives the rest, over the far keys only, in the same three forms:
+(`window.dense_near_and_far`). A `FarPart` gives the rest, over the far keys only, in the same three forms, each
+called with one bundle, `FarInputs` x, and returning a `FarOutput` (num [B, H, Q, e], den [B, H, Q], log scale
+[B, H, Q], state, constants):
 
-- `parallel(q, k, v, n_real, recompute, state)`: (num [B, H, L, e], den [B, H, L], log scale [B, H, L]) for every
-  left-aligned query. When `state` is a cache slot (a prefill), it also puts its decoding state there.
-- `step(state, q, k, v, real, position, leaving)`: one new token per row; `leaving` = (k, v, joins) is the key
-  that leaves the window as this token arrives (it joins the far keys where `joins`). Returns the token's
-  (num, den, log scale) [B, H, 1, ...] and updates its tensors in `state.state`; the layer stores the ring and
-  counts the token.
-- `reference(q, k, v, valid, far, recompute)`: the same triple, written plainly over a dense [B, L, L] far mask in
-  the tokens' own order.
+- `parallel(x)`: every query of left-aligned rows (x.valid [B, L] is then `arange(L) < n_real`, x.position the
+  sequence index). When x.keep_state (a prefill) it also returns its decoding state: a dict of tensors with a
+  leading batch axis (beam search reorders them), and any per-generation constants without one (a random draw
+  that a whole generation keeps).
+- `step(x)`: one new token per row (x.valid [B, 1]: whether it is real; x.position [B, 1]: its real position);
+  x.state is the state its last call returned, x.constants the constants, x.seen the tokens the cache held before
+  this one (padding included: a host bound on every position), x.leaving = (k, v, joins) the key that leaves the
+  window as this token arrives (it joins the far keys where `joins`). It returns the token's triple and the state
+  entries it changed (tensors may be written in place; `cache.write_at_rows`); the layer stores them with the ring.
+- `reference(x)`: the same triple, written plainly over a dense far mask x.far [B, L, L] in the tokens' own order
+  (x.valid: the real tokens, x.position their real positions).
 
-Each form's triple must have the shapes [B, H, Q, e], [B, H, Q], [B, H, Q] (Q: its queries); the layer checks them
-on every call (`check_far_outputs`: shape comparisons on the host, no device sync) and names the far part when one
-is wrong, rather than failing, or broadcasting silently, inside `merge_far`.
+x.recompute is the reversible stack's record (`Recomputation`) in `parallel` and `reference`: a far part that draws
+(LSH's buckets) saves its draws there and replays them. The layer checks each form's triple (`check_far_outputs`:
+shape comparisons on the host, no device sync) and names the far part when one is wrong, rather than failing, or
+broadcasting silently, inside `merge_far`; a plain (num, den, log scale) tuple is accepted as a FarOutput without
+state.
 
 The q and k a far part gets are the layer's far view of them (`ZooAttention.far_view`): the rotated ones, as the
 near part's, unless the layer's `far_positions` is "none", "fixed" or "grouped" (then the keys before rotation or at
@@ -37,7 +44,9 @@ grouped positions, the queries before rotation, rotated as if at position W or a
 `far_query_scale` says; the ring then also keeps the window's keys as the far part sees them, to hand over as they
 leave). The layer projects, rotates and scores: separate q, k, v (q·k / √d), or, where the far part names a config
 field that asks for it (`shared_qk_field`: LSH's `lsh_shared_qk`), one shared query-key projection whose keys the
-near part normalises and scores unscaled, a query's own key penalised; the far part only describes itself.
+near part normalises and scores unscaled, a query's own key penalised; the near part's dropout is the layer's
+`attention_probs_dropout_prob`. The far part only describes itself: it is built for the layer's shapes (num_heads,
+num_kv_heads, head_dim, layer_idx, window_size, sinks: plain attributes set once) and follows its train/eval mode.
 
 A far part whose estimate of exp(s_ij) is on the exact scale (FAVOR+'s and LARA's features) returns its sums with
 their common log scale; one that is normalised itself (LSH's bucket softmax, RA's far values) returns its output as
@@ -56,7 +65,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -108,30 +118,85 @@ def normalised_far(logits: torch.Tensor, values: torch.Tensor):
     return weights @ values, torch.ones_like(lse), lse
 
 
-def check_far_outputs(layer: WindowedAttention, form: str, outputs, q: torch.Tensor, v: torch.Tensor):
-    """`outputs`, a far part's (numerator, denominator, log scale) from its form `form` for queries q [B, H, Q, d]
-    and values v [B, kv_heads, K, e], if they have the contract's shapes [B, H, Q, e], [B, H, Q], [B, H, Q]; else a
+@dataclass(frozen=True)
+class FarInputs:
+    """What every form of a far part gets, in one bundle (the module docstring says what each form's fields hold).
+    q [B, H, Q, d]: the queries as the far part sees them; k, v [B, kv_heads, K, d|e]: the keys and values (all the
+    tokens in `parallel` and `reference`, the new token's in `step`); valid [B, K]: which of them are real tokens;
+    position [B, Q]: each query's real position."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    position: torch.Tensor
+    #: reference: [B, L, L] the far keys of each query (the window rule's)
+    far: torch.Tensor | None = None
+    #: step: (k, v [B, kv_heads, 1, d|e], joins [B]): the key that leaves the window as the token arrives
+    leaving: tuple | None = None
+    #: step: the state the far part's last call returned
+    state: dict | None = None
+    #: step (and a prefill): the per-generation constants the far part returned, {} if none
+    constants: dict | None = None
+    #: parallel: return the decoding state (a prefill)
+    keep_state: bool = False
+    #: step: the tokens the cache held before this one, padding included (a host bound on every position)
+    seen: int = 0
+    #: parallel and reference: the reversible stack's record of this forward's draws, or None
+    recompute: object = None
+
+    @property
+    def n_real(self) -> torch.Tensor:
+        """[B] real tokens per row."""
+        return self.valid.sum(-1)
+
+
+class FarOutput(NamedTuple):
+    """A far part's result: (numerator [B, H, Q, e], denominator [B, H, Q], log scale [B, H, Q]) for its queries,
+    and what decoding keeps: `state` (tensors with a leading batch axis) and `constants` (without one), or None."""
+
+    num: torch.Tensor
+    den: torch.Tensor
+    log_scale: torch.Tensor
+    state: dict | None = None
+    constants: dict | None = None
+
+
+def check_far_outputs(layer: WindowedAttention, form: str, outputs, x: FarInputs) -> FarOutput:
+    """`outputs`, what a far part's form `form` returned for the bundle x, as a FarOutput if its triple has the
+    contract's shapes [B, H, Q, e], [B, H, Q], [B, H, Q] (a plain triple is a FarOutput without state); else a
     ValueError naming the far part, rather than a broadcasting error (or a silent broadcast) inside `merge_far`. Only
     host-side shape comparisons, no device sync: cheap enough for every call, decoding steps included."""
-    batch, heads, queries = q.shape[:3]
-    expected = ((batch, heads, queries, v.shape[-1]), (batch, heads, queries), (batch, heads, queries))
-    triple = isinstance(outputs, tuple | list) and len(outputs) == 3
-    if triple and all(isinstance(x, torch.Tensor) for x in outputs):
-        if tuple(tuple(x.shape) for x in outputs) == expected:
+    batch, heads, queries = x.q.shape[:3]
+    expected = ((batch, heads, queries, x.v.shape[-1]), (batch, heads, queries), (batch, heads, queries))
+    if not isinstance(outputs, FarOutput) and isinstance(outputs, tuple | list) and len(outputs) == 3:
+        outputs = FarOutput(*outputs)
+    if isinstance(outputs, FarOutput) and all(isinstance(t, torch.Tensor) for t in outputs[:3]):
+        if tuple(tuple(t.shape) for t in outputs[:3]) == expected:
             return outputs
-        got = "shapes " + ", ".join(str(list(x.shape)) for x in outputs)
+        got = "shapes " + ", ".join(str(list(t.shape)) for t in outputs[:3])
     else:
         got = f"a {type(outputs).__name__}" + (f" of {len(outputs)}" if isinstance(outputs, tuple | list) else "")
     raise ValueError(f"far part {type(layer.far).__name__} (attention {layer.name!r}): {form}() returned {got}; it "
-                     "must return three tensors (numerator, denominator, log scale) of shapes "
+                     "must return a FarOutput (or three tensors: numerator, denominator, log scale) of shapes "
                      f"{', '.join(str(list(shape)) for shape in expected)} ([batch, heads, queries, value width], "
                      "[batch, heads, queries] twice; the contract is in attnzoo/modeling/attention/windowed.py).")
 
 
+#: the prefix of a far part's state entries in the layer's cache slot, beside the ring's
+FAR_STATE = "far."
+
+
+def far_state(slot) -> dict[str, torch.Tensor]:
+    """The far part's decoding state in a windowed layer's cache slot `slot`: what its last call returned."""
+    return {name[len(FAR_STATE):]: t for name, t in slot.state.items() if name.startswith(FAR_STATE)}
+
+
 class FarPart:
     """The far part of a windowed layer: see the module docstring for the contract. Subclasses implement
-    `parallel`, `step` and `reference`; the class attributes below describe them to the layer, which projects,
-    rotates and scores (nothing of the near part is the far part's)."""
+    `parallel`, `step` and `reference`, each taking a `FarInputs` and returning a `FarOutput`; the class attributes
+    below describe them to the layer, which projects, rotates and scores (nothing of the near part is the far
+    part's)."""
 
     #: the config class (by name) whose fields the far part reads (its layer also reads `ZooWindowSettings`)
     family_config: ClassVar[str] = "ZooConfig"
@@ -146,18 +211,19 @@ class FarPart:
     shared_qk_field: ClassVar[str | None] = None
 
     def __init__(self, layer: WindowedAttention, config):
-        self.layer = layer  # a plain reference: the far part is not a module, its parameters are the layer's
+        # The layer holds the far part's parameters and buffers (under its plain family's names, so a checkpoint's
+        # keys do not depend on the layer being windowed): the far part is not a module.
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        self.layer_idx = layer.layer_idx
+        self.window_size, self.sinks = layer.window_size, layer.sinks
+        self.training = layer.training  # kept in step by the layer's `train()`
 
-    # what the far part reads of its layer
-    training = property(lambda self: self.layer.training)
-    num_heads = property(lambda self: self.layer.num_heads)
-    head_dim = property(lambda self: self.layer.head_dim)
-    layer_idx = property(lambda self: self.layer.layer_idx)
-
-    @property
-    def near_dropout(self) -> float:
-        """Dropout on the near weights in training (the far part's draws are its own)."""
-        return 0.0
+    def expand_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, kv_heads, ...] -> [batch, heads, ...]: query head h reads key/value head h // group."""
+        if self.num_kv_heads == self.num_heads:
+            return x
+        return x.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
 
     # -- optional hooks --------------------------------------------------------------------------------------------
     def start_forward(self) -> None:
@@ -169,17 +235,14 @@ class FarPart:
     def loaded(self) -> None:
         """After the layer's tensors were loaded from a state dict."""
 
-    def new_cache_layer(self):
-        return RecurrentStateLayer()
-
     # -- the far part ----------------------------------------------------------------------------------------------
-    def parallel(self, q, k, v, n_real, recompute=None, state=None):
+    def parallel(self, x: FarInputs) -> FarOutput:
         raise NotImplementedError
 
-    def step(self, state, q, k, v, real, position, leaving):
+    def step(self, x: FarInputs) -> FarOutput:
         raise NotImplementedError
 
-    def reference(self, q, k, v, valid, far, recompute=None):
+    def reference(self, x: FarInputs) -> FarOutput:
         raise NotImplementedError
 
 
@@ -200,8 +263,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
                              f"encoders use {far_part_class.plain_kind or 'another attention'!r} or 'window'.")
         field = far_part_class.head_size_field if far_part_class is not None else None
         super().__init__(config, layer_idx, causal, head_dim=getattr(config, field) if field else None)
-        self.window_size = config.window_size
-        self.sinks = config.num_sink_tokens
+        self.window_size, self.sinks = self.near_span(config)
         self.sink_positions = config.sink_positions
         field = far_part_class.shared_qk_field if far_part_class is not None else None
         self.shared_qk = bool(getattr(config, field)) if field else False
@@ -213,13 +275,23 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         self.window_dropout = config.attention_probs_dropout_prob
         self.far = None if far_part_class is None else far_part_class(self, config)
 
+    @classmethod
+    def near_span(cls, config) -> tuple[int, int]:
+        """(window size, sinks) of the near part."""
+        return config.window_size, config.num_sink_tokens
+
     @property
     def near(self) -> NearPart:
         """The near part with the layer's scoring and the dropout of now: q·k / √d, or with shared QK LSH's (keys
         normalised, no scale, a query's own key penalised: used only when nothing else is)."""
         scale = 1.0 if self.shared_qk else 1.0 / math.sqrt(self.head_dim)
-        dropout = self.window_dropout if self.far is None else self.far.near_dropout
-        return NearPart(self.window_size, self.sinks, self.causal, scale, self.shared_qk, dropout)
+        return NearPart(self.window_size, self.sinks, self.causal, scale, self.shared_qk, self.window_dropout)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.far is not None:
+            self.far.training = mode
+        return self
 
     def start_forward(self) -> None:
         if self.far is not None:
@@ -235,7 +307,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
             self.far.loaded()
 
     def new_cache_layer(self):
-        return WindowStateLayer(self.window_size, self.sinks) if self.far is None else self.far.new_cache_layer()
+        return WindowStateLayer(self.window_size, self.sinks) if self.far is None else RecurrentStateLayer()
 
     def new_static_cache_layer(self, max_cache_len: int):
         return None  # the ring and the far states are updated out of place: no static slot yet
@@ -302,13 +374,19 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         sink_q = aligned(sink_q)
         q, k, v = aligned(q), aligned(k), aligned(v)
         n_real = valid.sum(-1)
-        far = None
+        far, far_entries = None, {}
         if self.far is not None:
-            far = check_far_outputs(self, "parallel", self.far.parallel(q if far_q is None else far_q,
-                                                                          k if far_k is None else far_k, v, n_real,
-                                                                          recompute, layer), q, v)
+            position = torch.arange(length, device=q.device)
+            x = FarInputs(q if far_q is None else far_q, k if far_k is None else far_k, v,
+                          position[None, :] < n_real[:, None], position[None, :].expand(q.shape[0], -1),
+                          keep_state=layer is not None, recompute=recompute)
+            far = check_far_outputs(self, "parallel", self.far.parallel(x), x)
+            if layer is not None:
+                far_entries = {FAR_STATE + name: t for name, t in (far.state or {}).items()}
+                layer.shared.update(far.constants or {})
         if layer is not None:
-            layer.store(length, **ring_start(k, v, n_real, self.window_size, self.sinks, far_k))
+            layer.store(length, **ring_start(k, v, n_real, self.window_size, self.sinks, far_k), **far_entries)
+        far = None if far is None else far[:3]
         out = self.near.parallel(q, self._near_keys(k), v, n_real, sink_q, far, self.training)
         return out if order is None else restore_order(out, order)
 
@@ -323,11 +401,14 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         leaving = ring_leaving(state, real, self.window_size, self.sinks)
         ring = ring_append(state, k, v, real, self.sinks, far_k)  # the tensors that change (no sinks: none of theirs)
         keys, values, allowed = ring_visible({**state, **ring}, position, self.window_size, self.sinks)
-        far = None
+        far, far_entries = None, {}
         if self.far is not None:
-            far = check_far_outputs(self, "step", self.far.step(layer, q_far, k if far_k is None else far_k, v, real,
-                                                                  position, leaving), q, v)
-        layer.store(1, **ring)
+            x = FarInputs(q_far, k if far_k is None else far_k, v, real[:, None], position[:, None], leaving=leaving,
+                          state=far_state(layer), constants=layer.shared, seen=layer.get_seq_length())
+            far = check_far_outputs(self, "step", self.far.step(x), x)
+            far_entries = {FAR_STATE + name: t for name, t in (far.state or {}).items()}
+            far = far[:3]
+        layer.store(1, **ring, **far_entries)
         return self.near.step(q, self._near_keys(keys), values, allowed, sink_q, far)
 
     # -- reference --------------------------------------------------------------------------------------------------
@@ -342,8 +423,8 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         far_part = None
         if self.far is not None:
             far = dense_near_and_far(valid, self.window_size, self.sinks)[1]
-            far_part = check_far_outputs(self, "reference", self.far.reference(q_far, k_far, v, valid, far,
-                                                                                 recompute), q, v)
+            x = FarInputs(q_far, k_far, v, valid, valid.long().cumsum(-1) - 1, far=far, recompute=recompute)
+            far_part = check_far_outputs(self, "reference", self.far.reference(x), x)[:3]
         out = self.near.reference(q, self._near_keys(k), v, valid, sink_q, far_part)
         return self._output(self.merge_heads(out.to(hidden_states.dtype)))
 

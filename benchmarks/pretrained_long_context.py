@@ -414,7 +414,7 @@ def table(report: dict) -> str:
     rule = "|---|" + "---|" * len(lengths)
     lines = [f"Pass key found (%, prompts), filler {' / '.join(fillers)}; "
              f"source trained to {native} tokens; {report['environment'].get('cores')} cores, "
-             f"{report['setup']['threads']} threads:", "", head, rule]
+             f"{report['setup']['threads']} torch threads:", "", head, rule]
     for design in designs:
         cells = []
         for n in lengths:

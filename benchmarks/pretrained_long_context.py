@@ -29,6 +29,11 @@ the cells the report lacks (`--remeasure` redoes them), so the grid fills over s
 bounds one session; lengths run shortest first). The summary, plot (accuracy against length, per design and filler)
 and README table are computed from the results file alone.
 
+Loss by position (`--no_loss` leaves it out): per design and length, one forward over the first `length` tokens of
+a long real document (attnzoo's default corpus, CPython's pydoc topics), the next-token loss (nats) averaged over
+position bins 0-1K, 1K-2K, 2K-4K, ... and over the source's training length (the goal compares the first 8K with
+the source's), cached per (design, length) in the report's "loss_rows" like the passkey cells.
+
     python benchmarks/pretrained_long_context.py                       # the whole grid (many hours on 2 cores)
     python benchmarks/pretrained_long_context.py --lengths 2048 4096 --designs source window --max_seconds 3600
     python benchmarks/pretrained_long_context.py --readme_only
@@ -87,6 +92,9 @@ DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DTYPES = ("float32", "bfloat16")
 ROW_FIELDS = (*KEY, "correct", "prefill_s", "state_bytes", "cell_s")
 REPORT_CHECK = rows_report_check(LABEL, *ROW_FIELDS)
+LOSS_KEY = ("design", "length")
+#: lm_head applied to this many positions at a time (the full logits of 64K tokens would take 13 GB)
+LOSS_CHUNK = 1024
 
 
 class BadArgument(ValueError):
@@ -125,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads (timings are for this many)")
     p.add_argument("--max_seconds", type=float, default=None,
                    help="stop measuring new cells after this many seconds (the rest are left for a later run)")
+    p.add_argument("--no_loss", dest="loss", action="store_false",
+                   help="leave out loss by position on the long document")
     p.add_argument("--remeasure", action="store_true", help="measure the chosen cells again, even if stored")
     p.add_argument("--readme_only", action="store_true", help="rewrite the README table from --results")
     return p
@@ -324,6 +334,57 @@ def measure(job: dict) -> dict:
             "load_s": load_s, "cell_s": time.perf_counter() - started}
 
 
+def document_ids(tokenizer, length: int) -> list[int]:
+    """The first `length` tokens of the long document (the tokenizer's leading special tokens first, as a text
+    starts in training); ValueError when it has fewer."""
+    from attnzoo.corpus import default_corpus_text
+    from attnzoo.evaluation.passkey import _leading_special_ids
+
+    text, ids, size = default_corpus_text(), [], 8 * length
+    while True:  # a prefix of the text, longer until it holds enough tokens
+        ids = _leading_special_ids(tokenizer) + list(tokenizer(text[:size], add_special_tokens=False)["input_ids"])
+        if len(ids) > length or size >= len(text):
+            break
+        size *= 2
+    if len(ids) < length:
+        raise ValueError(f"the document has {len(ids)} tokens, fewer than the length {length}; leave that length "
+                         "out of --lengths or pass --no_loss.")
+    return ids[:length]
+
+
+def loss_bins(length: int, native: int) -> list[tuple[int, int]]:
+    """Position bins of predicted tokens: [0, 1024), [1024, 2048), [2048, 4096), ... up to `length`."""
+    edges = [0] + [e for e in (1024 * 2 ** i for i in range(12)) if e < length] + [length]
+    return list(zip(edges, edges[1:], strict=False))
+
+
+def measure_loss(job: dict) -> dict:
+    """One design and length's loss by position on the document: mean nats per bin, over the training length and
+    over all, and the forward's seconds."""
+    import torch
+
+    started = time.perf_counter()
+    torch.set_num_threads(job["threads"])
+    model, tokenizer = load_design(job["folder"], rope_of(job), job["dtype"])
+    ids = torch.tensor([document_ids(tokenizer, job["length"])])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        losses = []
+        for begin in range(0, ids.shape[1] - 1, LOSS_CHUNK):
+            end = min(begin + LOSS_CHUNK, ids.shape[1] - 1)
+            logits = model.lm_head(hidden[:, begin:end]).float()[0]
+            losses.append(torch.nn.functional.cross_entropy(logits, ids[0, begin + 1:end + 1], reduction="none"))
+        forward_s = time.perf_counter() - start
+    nll = torch.cat(losses).double()  # nll[t]: the loss of predicting token t + 1
+    position = torch.arange(1, ids.shape[1])
+    by_position = {f"{a}-{b}": float(nll[(position >= a) & (position < b)].mean())
+                   for a, b in loss_bins(job["length"], job["native"]) if ((position >= a) & (position < b)).any()}
+    return {"loss": float(nll.mean()), "loss_within_native": float(nll[position < job["native"]].mean()),
+            "loss_by_position": by_position, "rope": rope_of(job), "forward_s": forward_s,
+            "cell_s": time.perf_counter() - started}
+
+
 # -- the report -----------------------------------------------------------------------------------------------------
 def trials_at(length: int, grid: dict) -> int:
     return grid["long_trials"] if length >= grid["long_length"] else grid["trials"]
@@ -376,6 +437,15 @@ def summary(report: dict) -> dict:
             if source:
                 entry["state_over_source"] = entry["state_bytes"] / max(r["state_bytes"] for r in source)
         out[f"{design}/{length}"] = entry
+    source_loss = {r["length"]: r for r in report.get("loss_rows", []) if r["design"] == "source"}
+    for row in report.get("loss_rows", []):
+        entry = out.setdefault(f"{row['design']}/{row['length']}", {"cells": 0, "cells_missing": 0})
+        entry["loss"] = {k: row[k] for k in ("loss", "loss_within_native", "loss_by_position", "forward_s")}
+        source = source_loss.get(row["length"]) or (source_loss[max(source_loss)] if source_loss else None)
+        if source is not None:  # the source's loss within its training length is the same at every longer length
+            entry["loss"]["within_native_over_source"] = row["loss_within_native"] / source["loss_within_native"]
+    out = dict(sorted(out.items(), key=lambda kv: (DESIGN_NAMES.index(kv[0].split("/")[0]),
+                                                   int(kv[0].split("/")[1]))))
     for key, entry in out.items():
         if entry["cells_missing"]:
             per_cell = entry.get("seconds_per_cell") or estimate_per_cell(out, *key.split("/"))
@@ -440,6 +510,21 @@ def table(report: dict) -> str:
             cells.append(f"{entry['prefill_s']:.1f} / {'-' if decode is None else f'{decode:.1f}'} / "
                          f"{entry['state_bytes'] / 2**20:.0f} MiB; {entry['seconds_per_cell']:.1f} s")
         lines.append(f"| {design} | " + " | ".join(cells) + " |")
+    if any("loss" in e for e in entries.values()):
+        lines += ["", f"Loss (nats/token) on the document: over its first {native} tokens (x the source's) / over "
+                      "the last position bin:", "", head, rule]
+        for design in designs:
+            cells = []
+            for n in lengths:
+                loss = entries.get(f"{design}/{n}", {}).get("loss")
+                if loss is None:
+                    cells.append("= source" if not runs_at(design, n, native or 0) else "-")
+                    continue
+                ratio = loss.get("within_native_over_source")
+                last = list(loss["loss_by_position"].values())[-1]
+                cells.append(f"{loss['loss_within_native']:.3f}{'' if ratio is None else f' ({ratio:.3f}x)'} / "
+                             f"{last:.3f}")
+            lines.append(f"| {design} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -493,7 +578,7 @@ def main(argv=None) -> dict | None:
               else {"benchmark": LABEL, "setup": as_recorded(setup), "rows": []})
     grid = {"designs": designs, "lengths": sorted(set(args.lengths)), "fillers": list(dict.fromkeys(args.fillers)),
             "depths": list(dict.fromkeys(args.depths)), "trials": args.trials, "long_trials": args.long_trials,
-            "long_length": args.long_length}
+            "long_length": args.long_length, "loss": args.loss}
     report.update(native_length=native, grid=grid, environment=cpu_environment(),
                   command="python benchmarks/pretrained_long_context.py " + " ".join(
                       str(a) for a in (argv if argv is not None else sys.argv[1:])))
@@ -516,8 +601,25 @@ def main(argv=None) -> dict | None:
         report["summary"] = summary(report)
         write_report(target, report)
 
+    loss_jobs = [dict(design=design, length=length, folder=folders[design], spec=specs[design], native=native,
+                      dtype=args.dtype, threads=args.threads)
+                 for length in grid["lengths"] for design in designs if runs_at(design, length, native)]
+    loss_part = {"rows": report.setdefault("loss_rows", [])}
+
+    def loss_within_budget(job: dict) -> dict | None:
+        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+            left.append(job)
+            return None
+        return measure_loss(job)
+
+    def keep_loss(part: dict) -> None:
+        report["loss_rows"] = part["rows"]
+        keep(report)
+
     try:
         measure_missing_rows(report, jobs, KEY, within_budget, keep, args.remeasure)
+        if args.loss:
+            measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, loss_within_budget, keep_loss, args.remeasure)
     finally:
         _LOADED.clear()
         _LOADED["key"] = None

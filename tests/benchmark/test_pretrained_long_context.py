@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.scripts_helpers import ROOT, load_module, save_tiny_llama
 
@@ -26,14 +28,19 @@ def source(tmp_path_factory):
 
 @pytest.fixture
 def measured(monkeypatch):
-    """The jobs `measure` is given."""
-    calls, measure = [], bench.measure
+    """The jobs `measure` (a passkey cell) and `measure_loss` (a loss cell, "loss" set) are given; the loss is
+    computed 100 positions at a time, so a 320-token document takes several chunks."""
+    calls = []
 
-    def counted(job):
-        calls.append(job)
-        return measure(job)
+    def counted(measure, **mark):
+        def run(job):
+            calls.append({**job, **mark})
+            return measure(job)
+        return run
 
-    monkeypatch.setattr(bench, "measure", counted)
+    monkeypatch.setattr(bench, "measure", counted(bench.measure))
+    monkeypatch.setattr(bench, "measure_loss", counted(bench.measure_loss, loss=True))
+    monkeypatch.setattr(bench, "LOSS_CHUNK", 100)
     return calls
 
 
@@ -66,6 +73,19 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert entry["cells"] == 1 and entry["cells_missing"] == 0
     assert entry["passkey"]["repeat"]["accuracy"] == float(rows["window"]["correct"])
     assert entry["state_over_source"] == pytest.approx(rows["window"]["state_bytes"] / rows["source"]["state_bytes"])
+    # loss by position: one row per design; the source's is transformers' own loss on the same tokens
+    assert {r["design"] for r in saved["loss_rows"]} == set(bench.DESIGN_NAMES)
+    assert len([j for j in measured if j.get("loss")]) == len(bench.DESIGN_NAMES)
+    losses = {r["design"]: r for r in saved["loss_rows"]}
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(source).eval()
+        ids = torch.tensor([bench.document_ids(AutoTokenizer.from_pretrained(source), 320)])
+        expected = model(ids, labels=ids).loss.item()
+    assert losses["source"]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert list(losses["source"]["loss_by_position"]) == ["0-320"]
+    assert saved["summary"]["source/320"]["loss"]["within_native_over_source"] == 1
+    assert losses["window"]["loss"] != losses["source"]["loss"]  # a window of 32 reads less than the source
+    assert "Loss (nats/token)" in bench.table(saved)
     assert (tmp_path / "plc.png").stat().st_size > 0
     assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
@@ -83,14 +103,14 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert [(j["design"], j["depth"]) for j in measured] == [("window", 1.0)]
     measured.clear()
     run(tmp_path, source, "--designs", "source", "--remeasure")
-    assert [j["design"] for j in measured] == ["source"]
+    assert [(j["design"], bool(j.get("loss"))) for j in measured] == [("source", False), ("source", True)]
     assert len(json.loads((tmp_path / "plc.json").read_text())["rows"]) == len(bench.DESIGN_NAMES) + 1
 
 
 def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_are_costed(tmp_path, source):
     report = run(tmp_path, source, "--designs", "source", "source_linear", "--lengths", "256", "320",
                  "--max_seconds", "0")
-    assert report["rows"] == []  # the budget was spent before the first cell
+    assert report["rows"] == [] and report["loss_rows"] == []  # the budget was spent before the first cell
     assert report["summary"]["source/256"]["cells_missing"] == 1
     assert "source_linear/256" not in report["summary"] and report["summary"]["source_linear/320"]["cells_missing"]
     report = run(tmp_path, source, "--designs", "source", "--lengths", "256")

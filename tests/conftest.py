@@ -72,6 +72,19 @@ def no_transformers_deprecation_logged():
     assert not handler.messages, f"transformers logged a deprecation: {handler.messages}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_environment_report_in_lm_eval_results():
+    """lm-eval's simple_evaluate() adds torch's environment report (torch.utils.collect_env) to every result, which
+    runs `pip list` and a few other commands: over a second an evaluation on two cores, and the tests evaluate in
+    this process some seventy times. No test reads the report; here it is a placeholder. (Processes the tests start,
+    such as lm-eval's command and the scripts the README runs, collect it as usual.)"""
+    from torch.utils import collect_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(collect_env, "get_pretty_env_info", lambda: "(not collected in attnzoo's tests)")
+        yield
+
+
 @pytest.fixture(scope="session")
 def readme_gguf_conversion(tmp_path_factory):
     """The README's GGUF block run once a session, when first asked for, in a folder of its own: a function that

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -354,7 +355,8 @@ def test_smollm2_gguf_converts_to_transformers_logits_and_greedy_text(tmp_path, 
     assert "every weight mapped one to one" in done.stdout
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     # where attnzoo is not installed, with the model code the folder carries: in a process of its own, started first
-    # so that it runs beside this one's comparison with transformers' model of the file
+    # so that it runs beside this one's comparison with transformers' model of the file, one thread each (on two
+    # cores, threads waiting for a core the other process holds would slow both down)
     script = f"""
 import json, sys
 sys.modules["attnzoo"] = None
@@ -365,7 +367,9 @@ inputs = tokenizer.apply_chat_template({messages!r}, add_generation_prompt=True,
 out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
 print(json.dumps({{"module": type(model).__module__, "tokens": out[0].tolist()}}))
 """
-    with Started([sys.executable, "-c", script], cwd=tmp_path) as without_attnzoo:
+    torch.set_num_threads(1)  # (tests/conftest.py restores the count)
+    with Started([sys.executable, "-c", script], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}) as \
+            without_attnzoo:
         model = AutoModelForCausalLM.from_pretrained(dst).eval()
         tokenizer = AutoTokenizer.from_pretrained(dst)
         config = model.config

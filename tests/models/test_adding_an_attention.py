@@ -98,27 +98,49 @@ print(json.dumps({{"module": type(model.model.transformer.blocks[0].attn).__modu
     assert out.startswith("[1, 2, 3, ") and len(json.loads(out)) == 11
 
 
-@pytest.mark.parametrize("module, first_line, message", [
-    ("bad_attention", "import numpy", r"imports numpy \(line 2\), which a checkpoint's code cannot carry"),
-    ("userpkg.bad_attention", "from .helpers import x", r"relative import \(line 2\)"),
-])
-def test_an_attention_module_that_cannot_travel_is_refused_before_anything_is_written(tmp_path, module, first_line,
-                                                                                     message):
-    folder = tmp_path / "userpkg" if module.startswith("userpkg.") else tmp_path
-    folder.mkdir(exist_ok=True)
-    (folder / "__init__.py").touch()
-    (folder / "helpers.py").write_text("x = 1\n")
-    code = doc_blocks()["temperature_attention.py"].replace('"temperature_softmax"', '"bad_softmax"')
-    (folder / "bad_attention.py").write_text(code.replace("\n", f"\n{first_line}\n", 1), encoding="utf-8")
-    imports = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport attnzoo, {module}\n"
-    script = imports + save_attempt("bad_softmax")
-    out = run(script, tmp_path)
+#: module -> (the line put after its first line, what the refusal must say)
+CANNOT_TRAVEL = {
+    "bad_attention": ("import numpy", r"imports numpy \(line 2\), which a checkpoint's code cannot carry"),
+    "userpkg.bad_attention": ("from .helpers import x", r"relative import \(line 2\)"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """The refusal tests' scripts (each registers an attention of the user's and tries to save a model with it),
+    all started at once when the first of those tests asks: each is a fresh Python process importing attnzoo, some
+    ten seconds on two cores, so they run side by side rather than one after the other. case (a module of
+    CANNOT_TRAVEL, or "__main__") -> (the script's folder, its process)."""
+    started = {}
+    for module, (first_line, _) in CANNOT_TRAVEL.items():
+        tmp_path = tmp_path_factory.mktemp("cannot_travel")
+        folder = tmp_path / "userpkg" if module.startswith("userpkg.") else tmp_path
+        folder.mkdir(exist_ok=True)
+        (folder / "__init__.py").touch()
+        (folder / "helpers.py").write_text("x = 1\n")
+        code = doc_blocks()["temperature_attention.py"].replace('"temperature_softmax"', '"bad_softmax"')
+        (folder / "bad_attention.py").write_text(code.replace("\n", f"\n{first_line}\n", 1), encoding="utf-8")
+        imports = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nimport attnzoo, {module}\n"
+        started[module] = (tmp_path, start(imports + save_attempt("bad_softmax"), tmp_path))
+    tmp_path = tmp_path_factory.mktemp("defined_in_main")
+    started["__main__"] = (tmp_path, start(doc_blocks()["temperature_attention.py"] +
+                                           save_attempt("temperature_softmax"), tmp_path))
+    yield started
+    for _, process in started.values():
+        process.stop()
+
+
+@pytest.mark.parametrize("module, message", [(module, message) for module, (_, message) in CANNOT_TRAVEL.items()])
+def test_an_attention_module_that_cannot_travel_is_refused_before_anything_is_written(refusals, module, message):
+    tmp_path, process = refusals[module]
+    out = finished(process)
     assert out.startswith("REFUSED") and re.search(message, out), out
     assert not (tmp_path / "out").exists()
 
 
-def test_an_attention_defined_in_main_is_refused_with_what_to_do(tmp_path):
-    out = run(doc_blocks()["temperature_attention.py"] + save_attempt("temperature_softmax"), tmp_path)
+def test_an_attention_defined_in_main_is_refused_with_what_to_do(refusals):
+    tmp_path, process = refusals["__main__"]
+    out = finished(process)
     assert "REFUSED" in out and "defined in __main__" in out and "move the class into a module file" in out
     assert not (tmp_path / "out").exists()
 

@@ -31,6 +31,9 @@ What lives here, and why:
   attnzoo's registered classes rather than its carried code, and passes the flag to no class it builds; a
   checkpoint that carries a user's attention module runs that copy only when the caller trusted remote code, which
   is read from the loading calls' keyword arguments.
+- **The attention implementation a model runs with** (`attention_implementation`): transformers keeps it in the
+  config's private `_attn_implementation`; `set_attn_implementation` (public) switches it, and the retrieval-layer
+  calibration (attnzoo.evaluation.retrieval_layers) switches it back to what it was.
 """
 
 from __future__ import annotations
@@ -256,3 +259,9 @@ def trust_remote_code_given() -> bool:
                 return bool(keywords["trust_remote_code"])
         frame = frame.f_back
     return False
+
+
+def attention_implementation(model) -> str:
+    """The attention implementation a transformers model runs with ("sdpa", "eager", a registered name), so that a
+    caller that switches it with the public `set_attn_implementation` can switch it back."""
+    return model.config._attn_implementation

@@ -13,7 +13,15 @@ Designs (each a named conversion of the source, converted once into --models_dir
 - `window`: `attnzoo.convert.llama --family window`, window --window_size + --num_sink_tokens sinks (StreamingLLM:
   retrieves nothing past its window, by design);
 - `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
-  --block_topk) with every far key at distance window_size (`far_positions=[fixed]`);
+  --block_topk) with every far key at distance window_size (`far_positions=[fixed]`). The defaults, 16 blocks of
+  32 keys, read as many far keys as InfLLM's 4 of 128 but select with a query block of 32: a block's selection
+  query (its first query and the block before) then holds the question that asks for the key, where with 128 it is
+  mostly filler (on SmolLM2 at 4K, teacher-forced, 128-token blocks missed the keys that 32-token blocks found;
+  `--block_size 128 --block_topk 4` runs InfLLM's sizes as another setup);
+- `block_bounded`: `block_fixed`'s far part in the --retrieval_top layers that read a far pass key most in the
+  source (`attnzoo.evaluation.retrieval_layers`: the source's own attention weights on the key line, on pass-key
+  prompts of --calibration_length tokens with the key at least window_size back; no training), window + sinks in
+  every other layer: the decoding state of the others stays W + sinks tokens at any length;
 - `lsh_fixed` / `lsh_grouped`: the exact window plus LSH's far part with separate queries and keys
   (`attn_layers=[lsh_window]`, `lsh_shared_qk=false`, --lsh_num_hashes, --lsh_chunk_length), its far keys at the
   fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group).
@@ -33,6 +41,16 @@ Loss by position (`--no_loss` leaves it out): per design and length, one forward
 a long real document (attnzoo's default corpus, CPython's pydoc topics), the next-token loss (nats) averaged over
 position bins 0-1K, 1K-2K, 2K-4K, ... and over the source's training length (the goal compares the first 8K with
 the source's), cached per (design, length) in the report's "loss_rows" like the passkey cells.
+
+RULER (`--no_ruler` leaves it out): lm-eval's own RULER tasks (`--ruler_tasks`, default `niah_single_1` and
+`niah_multikey_2`, NVIDIA's RULER, arXiv 2404.06654) through lm-eval's `hf` model as `lm_eval --model hf
+--model_args pretrained=FOLDER,max_length=... --tasks TASK --metadata '{"max_seq_lengths": [LENGTH]}' --limit N`
+runs them (greedy, no chat template, lm-eval's 128 generated tokens and its string-match score), at the grid's
+lengths the tasks report (4K and up), the first --ruler_samples of lm-eval's samples (--ruler_long_samples from
+--long_length), one row per (design, task, length) in the report's "ruler_rows". The tasks build their haystacks
+locally; their module wants nltk's `punkt_tab`, which these two never use: `attnzoo.evaluation.harness.
+prepare_ruler_offline` puts an empty one on nltk's path when it is not installed (`pip install 'attnzoo[ruler]'`
+brings wonderwords, which draws their keys).
 
     python benchmarks/pretrained_long_context.py                       # the whole grid (many hours on 2 cores)
     python benchmarks/pretrained_long_context.py --lengths 2048 4096 --designs source window --max_seconds 3600
@@ -84,7 +102,8 @@ README = ROOT / "README.md"
 MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-context:end -->")
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
-DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "lsh_fixed", "lsh_grouped")
+DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded", "lsh_fixed",
+                "lsh_grouped")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -93,6 +112,11 @@ DTYPES = ("float32", "bfloat16")
 ROW_FIELDS = (*KEY, "correct", "prefill_s", "state_bytes", "cell_s")
 REPORT_CHECK = rows_report_check(LABEL, *ROW_FIELDS)
 LOSS_KEY = ("design", "length")
+RULER_KEY = ("design", "task", "length")
+RULER_TASKS = ["niah_single_1", "niah_multikey_2"]
+#: tokens lm-eval's RULER tasks generate (their YAML's max_gen_toks): lm-eval's model gets max_length = length + this,
+#: so that it never cuts a prompt of `length` tokens
+RULER_GEN_TOKENS = 128
 #: lm_head applied to this many positions at a time (the full logits of 64K tokens would take 13 GB)
 LOSS_CHUNK = 1024
 
@@ -123,8 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--digits", type=int, default=5)
     p.add_argument("--window_size", type=int, default=1024)
     p.add_argument("--num_sink_tokens", type=int, default=4)
-    p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--block_topk", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=32, help="far-key block size of block_fixed (see the docstring)")
+    p.add_argument("--block_topk", type=int, default=16, help="blocks each query block of block_fixed reads")
+    p.add_argument("--retrieval_top", type=int, default=6, help="layers of block_bounded that keep the far part")
+    p.add_argument("--calibration_length", type=int, default=4096,
+                   help="tokens of block_bounded's calibration prompts (at most the source's training length)")
+    p.add_argument("--calibration_prompts", type=int, default=8)
+    p.add_argument("--calibration_distance", type=int, default=None,
+                   help="the calibration's key line ends at least this many tokens back (default: --window_size)")
     p.add_argument("--lsh_num_hashes", type=int, default=4)
     p.add_argument("--lsh_chunk_length", type=int, default=64)
     p.add_argument("--far_position_group", type=int, default=8, help="G of lsh_grouped (reads about G (N - W))")
@@ -135,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop measuring new cells after this many seconds (the rest are left for a later run)")
     p.add_argument("--no_loss", dest="loss", action="store_false",
                    help="leave out loss by position on the long document")
+    p.add_argument("--no_ruler", dest="ruler", action="store_false",
+                   help="leave out lm-eval's RULER tasks")
+    p.add_argument("--ruler_tasks", nargs="+", default=RULER_TASKS, help="lm-eval RULER tasks (see the docstring)")
+    p.add_argument("--ruler_samples", type=int, default=20, help="lm-eval samples per RULER task and length")
+    p.add_argument("--ruler_long_samples", type=int, default=10, help="RULER samples at lengths >= --long_length")
     p.add_argument("--remeasure", action="store_true", help="measure the chosen cells again, even if stored")
     p.add_argument("--readme_only", action="store_true", help="rewrite the README table from --results")
     return p
@@ -157,10 +192,14 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
-                "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "threads")
+                "retrieval_top", "calibration_length", "calibration_prompts", "lsh_num_hashes", "lsh_chunk_length",
+                "far_position_group", "threads", "ruler_samples",
+                "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
+    if args.calibration_distance is not None and args.calibration_distance < 1:
+        raise BadArgument(f"--calibration_distance={args.calibration_distance}: give a positive number of tokens.")
     if args.num_sink_tokens < 0:
         raise BadArgument(f"--num_sink_tokens={args.num_sink_tokens}: give 0 or more sink tokens.")
     if args.dynamic_factor < 1:
@@ -170,6 +209,22 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--max_seconds={args.max_seconds}: give seconds >= 0, or leave it out for no limit.")
     if args.dtype not in DTYPES:
         raise BadArgument(f"--dtype {args.dtype!r}: pick one of {list(DTYPES)}.")
+    if args.ruler and ruler_lengths(args.lengths):
+        from attnzoo.evaluation.harness import prepare_ruler_offline, task_manager
+
+        try:
+            prepare_ruler_offline(args.ruler_tasks, None)  # writes nothing yet
+            task_manager(args.ruler_tasks)  # unknown names: ValueError with the nearest task names
+        except ModuleNotFoundError as error:
+            raise BadArgument(f"--ruler_tasks: {error}; or pass --no_ruler.") from None
+        except ValueError as error:
+            raise BadArgument(f"--ruler_tasks: {error}") from None
+
+
+def ruler_lengths(lengths: list[int]) -> list[int]:
+    """The lengths lm-eval's RULER tasks report a score at (their YAML lists 4K .. 128K); other lengths have no
+    RULER cell."""
+    return sorted(n for n in set(lengths) if n >= 4096 and n & (n - 1) == 0 and n <= 131072)
 
 
 def default_source() -> str:
@@ -210,6 +265,13 @@ def design_specs(args) -> dict[str, dict]:
         "block_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
                                                       "far_positions": ["fixed"], "block_size": args.block_size,
                                                       "block_topk": args.block_topk}},
+        "block_bounded": {"family": "hybrid", "model": {**window, "block_size": args.block_size,
+                                                        "block_topk": args.block_topk},
+                          "retrieval_layers": {"top": args.retrieval_top, "far_kind": "block_window",
+                                               "far_positions": "fixed",
+                                               "length": args.calibration_length,
+                                               "min_distance": args.calibration_distance or args.window_size,
+                                               "prompts": args.calibration_prompts, "seed": args.seed}},
         "lsh_fixed": {"family": "hybrid", "model": {**lsh, "far_positions": ["fixed"]}},
         "lsh_grouped": {"family": "hybrid", "model": {**lsh, "far_positions": ["grouped"],
                                                       "far_position_group": args.far_position_group}},
@@ -253,13 +315,36 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
 
                 shutil.rmtree(target)
             source = source if source is not None else load_source(source_dir)
-            print(f"converting {name} into {target} (once): --family {spec['family']} --model {spec['model']}",
+            model_settings, calibration = dict(spec["model"]), None
+            if "retrieval_layers" in spec:
+                calibration = calibrated_layout(source, source_dir, spec["retrieval_layers"])
+                model_settings.update(calibration["layout"])
+            print(f"converting {name} into {target} (once): --family {spec['family']} --model {model_settings}",
                   flush=True)
-            save_converted(convert(source, spec["family"], dict(spec["model"])), target,
+            save_converted(convert(source, spec["family"], model_settings), target,
                            [load_text_tokenizer(source_dir)], converter="attnzoo.convert.llama", src=source_dir,
                            family=spec["family"])
+            if calibration is not None:  # beside the model: the layers it keeps a far part in, and why
+                (target / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         folders[name] = str(args.models_dir / rel)
     return folders
+
+
+def calibrated_layout(source, source_dir: str, settings: dict) -> dict:
+    """The calibration's record: the layout (attn_layers with settings["far_kind"] and settings["far_positions"] in
+    the source's settings["top"] retrieval layers, `window` elsewhere; attnzoo.evaluation.retrieval_layers), the
+    scores, the seconds it took."""
+    from attnzoo.convert.common import load_text_tokenizer
+    from attnzoo.evaluation.retrieval_layers import layout, retrieval_scores, top_layers
+
+    started = time.perf_counter()
+    scores = retrieval_scores(source, load_text_tokenizer(source_dir), length=settings["length"],
+                              min_distance=settings["min_distance"], prompts=settings["prompts"], seed=settings["seed"])
+    chosen = top_layers(scores["layer_scores"], settings["top"])
+    settings_by_layer = layout(len(scores["layer_scores"]), chosen, settings["far_kind"],
+                               far_positions=settings["far_positions"])
+    print(f"  retrieval layers {chosen} ({time.perf_counter() - started:.1f} s)", flush=True)
+    return {**scores, "top": chosen, "layout": settings_by_layer, "seconds": time.perf_counter() - started}
 
 
 _LOADED: dict = {"key": None}
@@ -385,6 +470,33 @@ def measure_loss(job: dict) -> dict:
             "cell_s": time.perf_counter() - started}
 
 
+def measure_ruler(job: dict) -> dict:
+    """One (design, task, length) of lm-eval's RULER: the mean string-match score over the first job["samples"]
+    samples; each sample's score, expected answers, reply (its first 200 characters) and prompt tokens (as lm-eval's
+    tokenizer counts them); the cell's seconds."""
+    import torch
+    from transformers import AutoConfig
+
+    from attnzoo.evaluation import harness as lm_harness
+
+    started = time.perf_counter()
+    torch.set_num_threads(job["threads"])
+    lm_harness.prepare_ruler_offline([job["task"]], job["nltk_data"])
+    rope = rope_of(job)
+    model_args = {"dtype": job["dtype"], "max_length": job["length"] + RULER_GEN_TOKENS}
+    if rope:
+        model_args["rope_parameters"] = {**AutoConfig.from_pretrained(job["folder"]).rope_parameters, **rope}
+    results = lm_harness.run(job["folder"], [job["task"]], limit=job["samples"], model_args=model_args,
+                             log_samples=True, bootstrap_iters=0, metadata={"max_seq_lengths": [job["length"]]})
+    samples = sorted(results["samples"][job["task"]], key=lambda s: s["doc_id"])
+    scores = [float(s[str(job["length"])]) for s in samples]
+    return {"score": statistics.mean(scores), "samples": len(scores), "sample_scores": scores,
+            "answers": [s["doc"]["outputs"] for s in samples],
+            "replies": [s["filtered_resps"][0][:200] for s in samples],
+            "prompt_tokens": [s["doc"]["length"] for s in samples], "rope": rope,
+            "lm_eval": lm_harness.lm_eval_version(), "cell_s": time.perf_counter() - started}
+
+
 # -- the report -----------------------------------------------------------------------------------------------------
 def trials_at(length: int, grid: dict) -> int:
     return grid["long_trials"] if length >= grid["long_length"] else grid["trials"]
@@ -444,6 +556,9 @@ def summary(report: dict) -> dict:
         source = source_loss.get(row["length"]) or (source_loss[max(source_loss)] if source_loss else None)
         if source is not None:  # the source's loss within its training length is the same at every longer length
             entry["loss"]["within_native_over_source"] = row["loss_within_native"] / source["loss_within_native"]
+    for row in report.get("ruler_rows", []):
+        entry = out.setdefault(f"{row['design']}/{row['length']}", {"cells": 0, "cells_missing": 0})
+        entry.setdefault("ruler", {})[row["task"]] = {"score": row["score"], "samples": row["samples"]}
     out = dict(sorted(out.items(), key=lambda kv: (DESIGN_NAMES.index(kv[0].split("/")[0]),
                                                    int(kv[0].split("/")[1]))))
     for key, entry in out.items():
@@ -510,6 +625,21 @@ def table(report: dict) -> str:
             cells.append(f"{entry['prefill_s']:.1f} / {'-' if decode is None else f'{decode:.1f}'} / "
                          f"{entry['state_bytes'] / 2**20:.0f} MiB; {entry['seconds_per_cell']:.1f} s")
         lines.append(f"| {design} | " + " | ".join(cells) + " |")
+    tasks = sorted({t for e in entries.values() for t in e.get("ruler", {})})
+    if tasks:
+        lines += ["", f"lm-eval's RULER ({' / '.join(tasks)}): string-match score (%, samples):", "", head, rule]
+        for design in designs:
+            cells = []
+            for n in lengths:
+                ruler = entries.get(f"{design}/{n}", {}).get("ruler")
+                if not runs_at(design, n, native or 0):
+                    cells.append("= source")
+                elif not ruler:
+                    cells.append("-")
+                else:
+                    cells.append(" / ".join(f"{100 * ruler[t]['score']:.0f} ({ruler[t]['samples']})" if t in ruler
+                                            else "-" for t in tasks))
+            lines.append(f"| {design} | " + " | ".join(cells) + " |")
     if any("loss" in e for e in entries.values()):
         lines += ["", f"Loss (nats/token) on the document: over its first {native} tokens (x the source's) / over "
                       "the last position bin:", "", head, rule]
@@ -578,7 +708,15 @@ def main(argv=None) -> dict | None:
               else {"benchmark": LABEL, "setup": as_recorded(setup), "rows": []})
     grid = {"designs": designs, "lengths": sorted(set(args.lengths)), "fillers": list(dict.fromkeys(args.fillers)),
             "depths": list(dict.fromkeys(args.depths)), "trials": args.trials, "long_trials": args.long_trials,
-            "long_length": args.long_length, "loss": args.loss}
+            "long_length": args.long_length, "loss": args.loss,
+            "ruler_tasks": list(dict.fromkeys(args.ruler_tasks)) if args.ruler else [],
+            "ruler_samples": args.ruler_samples, "ruler_long_samples": args.ruler_long_samples}
+    for name in designs:  # the layers a calibrated design keeps its far part in, and the scores that chose them
+        calibration = Path(folders[name]) / "calibration.json"
+        if calibration.is_file():
+            record = json.loads(calibration.read_text())
+            report.setdefault("calibration", {})[name] = {k: record[k] for k in ("top", "layer_scores", "settings",
+                                                                                  "seconds")}
     report.update(native_length=native, grid=grid, environment=cpu_environment(),
                   command="python benchmarks/pretrained_long_context.py " + " ".join(
                       str(a) for a in (argv if argv is not None else sys.argv[1:])))
@@ -616,10 +754,32 @@ def main(argv=None) -> dict | None:
         report["loss_rows"] = part["rows"]
         keep(report)
 
+    ruler_jobs = [dict(design=design, task=task, length=length, folder=folders[design], spec=specs[design],
+                       native=native, dtype=args.dtype, threads=args.threads,
+                       nltk_data=str(args.models_dir / "nltk_data"),
+                       samples=args.ruler_long_samples if length >= args.long_length else args.ruler_samples)
+                  for length in ruler_lengths(grid["lengths"]) for design in designs if runs_at(design, length, native)
+                  for task in grid["ruler_tasks"]]
+    ruler_part = {"rows": report.setdefault("ruler_rows", [])}
+
+    def ruler_within_budget(job: dict) -> dict | None:
+        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+            left.append(job)
+            return None
+        row = measure_ruler(job)
+        print(f"RULER {job['task']} {job['design']} {job['length']}: {100 * row['score']:.0f}% of {row['samples']} "
+              f"samples, cell {row['cell_s']:.1f} s", flush=True)
+        return row
+
+    def keep_ruler(part: dict) -> None:
+        report["ruler_rows"] = part["rows"]
+        keep(report)
+
     try:
         measure_missing_rows(report, jobs, KEY, within_budget, keep, args.remeasure)
         if args.loss:
             measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, loss_within_budget, keep_loss, args.remeasure)
+        measure_missing_rows(ruler_part, ruler_jobs, RULER_KEY, ruler_within_budget, keep_ruler, args.remeasure)
     finally:
         _LOADED.clear()
         _LOADED["key"] = None

@@ -23,6 +23,11 @@ LOCAL_TAG = "attnzoo_pydoc"
 #: the oldest lm-eval the tests ran with (pyproject's `lm-eval` extra has the same lower bound)
 MIN_LM_EVAL_VERSION = (0, 4, 13)
 INSTALL_HINT = "pip install 'attnzoo[lm-eval]'"
+#: lm-eval's RULER tasks whose haystacks are built without nltk's sentence splitter: repeated sentences (haystack
+#: "repeat") or generated needle lines ("needle"). The others split Paul Graham's essays (a Hub data set) into
+#: sentences with nltk's Punkt model.
+RULER_TASKS_WITHOUT_SENTENCES = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
+RULER_INSTALL_HINT = "pip install 'attnzoo[ruler]'"
 
 
 def lm_eval_version() -> str:
@@ -40,6 +45,43 @@ def lm_eval_version() -> str:
         raise ImportError(f"lm_eval {version} is older than {'.'.join(map(str, MIN_LM_EVAL_VERSION))}, the oldest "
                           f"attnzoo is tested with: {INSTALL_HINT} --upgrade")
     return version
+
+
+def prepare_ruler_offline(tasks: list[str], data_dir: str | Path | None) -> str | None:
+    """Let lm-eval's RULER tasks `tasks` run without the network; returns where nltk's `punkt_tab` is found (None
+    when `data_dir` is None and it would have to be written: a check that writes nothing).
+
+    lm-eval's RULER module (lm_eval/tasks/ruler/prepare_niah.py) looks for nltk's `punkt_tab` when it is imported
+    and downloads it when it is missing, and it draws its keys with the `wonderwords` package. When `punkt_tab` is
+    not installed and every task is one of `RULER_TASKS_WITHOUT_SENTENCES`, an empty Punkt model is written into
+    `data_dir`/tokenizers/punkt_tab/english and put on nltk's search path: those tasks never call the splitter, so
+    their samples are the ones lm-eval builds with the real model. Raises ModuleNotFoundError naming the extra when
+    wonderwords or nltk is missing, and ValueError naming the fix for a task that splits sentences."""
+    lm_eval_version()
+    try:
+        import nltk
+        import wonderwords  # noqa: F401
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"lm-eval's RULER tasks need the {error.name} package: {RULER_INSTALL_HINT}",
+                                  name=error.name) from error
+    try:
+        return str(nltk.data.find("tokenizers/punkt_tab"))
+    except LookupError:
+        pass
+    splitting = [task for task in tasks if task not in RULER_TASKS_WITHOUT_SENTENCES]
+    if splitting:
+        raise ValueError(f"RULER tasks {splitting} split their haystack into sentences with nltk's punkt_tab, which "
+                         "is not installed: run `python -m nltk.downloader punkt_tab` where there is a network, or "
+                         f"pick from {list(RULER_TASKS_WITHOUT_SENTENCES)}, which build their haystacks without it.")
+    if data_dir is None:
+        return None
+    english = Path(data_dir) / "tokenizers" / "punkt_tab" / "english"
+    english.mkdir(parents=True, exist_ok=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        (english / name).touch()  # an empty model: no abbreviations, collocations or sentence starters
+    if str(data_dir) not in nltk.data.path:
+        nltk.data.path.append(str(data_dir))
+    return str(nltk.data.find("tokenizers/punkt_tab"))
 
 
 def task_manager(tasks: list[str], include_path: list[str | Path] = (), metadata: dict | None = None):

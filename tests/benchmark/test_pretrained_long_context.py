@@ -18,7 +18,8 @@ bench = load_module(ROOT / "benchmarks", "pretrained_long_context")
 #: positions, so the rope designs run too
 SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--lsh_chunk_length", "16",
          "--lsh_num_hashes", "2", "--far_position_group", "4", "--threads", "1", "--lengths", "320",
-         "--fillers", "repeat", "--depths", "0.5", "--trials", "1"]
+         "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
+         "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,11 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     # W + sinks = 36 slots, whatever the length
     assert rows["source"]["state_bytes"] == 320 * 2 * 2 * 8 * 4
     assert rows["window"]["state_bytes"] < rows["source"]["state_bytes"]
+    # block_bounded: the far part in the one layer the calibration ranked first (of one), its scores in the report
+    assert saved["calibration"]["block_bounded"]["top"] == [0]
+    assert len(saved["calibration"]["block_bounded"]["layer_scores"]) == 1
+    bounded = json.loads(next((tmp_path / "models").glob("block_bounded-*/config.json")).read_text())
+    assert bounded["attn_layers"] == ["block_window"]
     entry = saved["summary"]["window/320"]
     assert entry["cells"] == 1 and entry["cells_missing"] == 0
     assert entry["passkey"]["repeat"]["accuracy"] == float(rows["window"]["correct"])
@@ -90,7 +96,7 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
-    assert [m.split("-")[0] for m in models] == sorted(["block_fixed", "lsh_fixed", "lsh_grouped", "window"])
+    assert [m.split("-")[0] for m in models] == ["block_bounded", "block_fixed", "lsh_fixed", "lsh_grouped", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}
@@ -133,3 +139,53 @@ def test_a_foreign_results_file_is_refused_and_left_as_it_was(tmp_path, source, 
     with pytest.raises(bench.Refused, match="plc.json"):
         run(tmp_path, source)
     assert foreign.read_text() == '{"mine": 1}' and measured == [] and not (tmp_path / "models").exists()
+
+
+def test_ruler_cells_run_lm_evals_own_task_offline_and_are_kept(tmp_path, source, monkeypatch):
+    """lm-eval's niah_single_1 at 4,096 tokens (2 samples) on the window design: one row per (design, task,
+    length) with lm-eval's per-sample scores, prompts of the asked length that lm-eval did not cut, the summary's and
+    the table's RULER entries from the results file; a rerun measures nothing new. Where nltk's punkt_tab is not
+    installed, an empty one is written beside the models and put on nltk's path for the run."""
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", list(nltk.data.path))  # the run's addition goes with the test
+    try:
+        nltk.data.find("tokenizers/punkt_tab")
+        had_punkt = True
+    except LookupError:
+        had_punkt = False
+    calls = []
+    monkeypatch.setattr(bench, "measure_ruler", lambda job, measure=bench.measure_ruler: calls.append(job) or
+                        measure(job))
+    ruler = ["--designs", "window", "--lengths", "4096", "--no_loss", "--ruler_tasks", "niah_single_1",
+             "--ruler_samples", "2"]
+    report = run(tmp_path, source, *ruler)
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    assert saved["ruler_rows"] == report["ruler_rows"] and len(calls) == 1
+    (row,) = saved["ruler_rows"]
+    assert (row["design"], row["task"], row["length"], row["samples"]) == ("window", "niah_single_1", 4096, 2)
+    # lm-eval's string match, sample by sample: every expected answer inside the reply
+    for score, answers, reply in zip(row["sample_scores"], row["answers"], row["replies"], strict=True):
+        assert score == sum(a.lower() in reply.lower() for a in answers) / len(answers)
+    assert row["score"] == pytest.approx(sum(row["sample_scores"]) / 2)
+    assert all(2048 < n <= 4096 for n in row["prompt_tokens"])  # lm-eval sized them to the 4K task
+    assert saved["summary"]["window/4096"]["ruler"] == {"niah_single_1": {"score": row["score"], "samples": 2}}
+    assert "RULER (niah_single_1)" in bench.table(saved)
+    assert (tmp_path / "models" / "nltk_data" / "tokenizers" / "punkt_tab" / "english").is_dir() != had_punkt
+    run(tmp_path, source, *ruler)
+    assert len(calls) == 1 and len(json.loads((tmp_path / "plc.json").read_text())["ruler_rows"]) == 1
+
+
+@pytest.mark.parametrize("tasks, says", [(["niah_single_2"], "punkt_tab"), (["niah_singel_1"], "niah_single_1")])
+def test_ruler_tasks_that_cannot_run_are_refused_before_anything_is_written(tmp_path, source, tasks, says):
+    import nltk
+
+    if tasks == ["niah_single_2"]:
+        try:
+            nltk.data.find("tokenizers/punkt_tab")
+            pytest.skip("punkt_tab is installed here: every RULER task can split its haystack")
+        except LookupError:
+            pass
+    with pytest.raises(bench.BadArgument, match=f"--ruler_tasks.*{says}"):
+        run(tmp_path, source, "--lengths", "4096", "--ruler_tasks", *tasks)
+    assert not (tmp_path / "models").exists() and not (tmp_path / "plc.json").exists()

@@ -326,7 +326,8 @@ COMMITTED = {
     "reversible_memory.json": "reversible_memory",
     "short_sequence_speed_cpu.json": "short_sequence_speed",
     **dict.fromkeys(["causal_lara_lm.json", "conversion_recovery.json", "llama_uptraining.json", "long_context.json",
-                     "reformer_hash_rounds.json", "reformer_shared_qk_reversible.json", "uptraining.json"]),
+                     "pretrained_long_context.json", "reformer_hash_rounds.json", "reformer_shared_qk_reversible.json",
+                     "uptraining.json"]),
 }
 ROUTED = sorted(set(CASES))
 #: the benchmarks whose committed reports state their setup (under other names), so a run of the same setup replaces

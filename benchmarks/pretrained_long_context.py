@@ -11,7 +11,10 @@ Designs (each a named conversion of the source, converted once into --models_dir
   (HF's example value 2; dynamic scaling adapts the angles to the current length by itself);
   both rope designs equal the source within its training length, so they are run only past it;
 - `window`: `attnzoo.convert.llama --family window`, window --window_size + --num_sink_tokens sinks (StreamingLLM:
-  retrieves nothing past its window, by design);
+  retrieves nothing past its window, by design). Every converted design sees the sinks at --sink_positions,
+  `adjacent` by default (StreamingLLM's positions within the cache): with `absolute`, past the training length every
+  query sees the sinks at distances the model never trained on, and since the sinks take much of every head's
+  attention, the whole forward leaves its training distribution (on SmolLM2 at 16K: broken text from every design);
 - `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
   --block_topk) with every far key at distance window_size (`far_positions=[fixed]`). The defaults, 16 blocks of
   32 keys, read as many far keys as InfLLM's 4 of 128 but select with a query block of 32: a block's selection
@@ -147,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--digits", type=int, default=5)
     p.add_argument("--window_size", type=int, default=1024)
     p.add_argument("--num_sink_tokens", type=int, default=4)
+    p.add_argument("--sink_positions", default="adjacent",
+                   help="where the converted designs' queries see the sinks: 'adjacent' (StreamingLLM's positions in "
+                        "the cache, just before the window: inside the trained distances at any length) or "
+                        "'absolute' (their own positions: past the training length they are farther than any "
+                        "distance the model trained on)")
     p.add_argument("--block_size", type=int, default=32, help="far-key block size of block_fixed (see the docstring)")
     p.add_argument("--block_topk", type=int, default=16, help="blocks each query block of block_fixed reads")
     p.add_argument("--retrieval_top", type=int, default=6, help="layers of block_bounded that keep the far part")
@@ -207,6 +215,8 @@ def check_arguments(args) -> None:
                           "factor >= 1.")
     if args.max_seconds is not None and args.max_seconds < 0:
         raise BadArgument(f"--max_seconds={args.max_seconds}: give seconds >= 0, or leave it out for no limit.")
+    if args.sink_positions not in ("adjacent", "absolute"):
+        raise BadArgument(f"--sink_positions {args.sink_positions!r}: pick 'adjacent' or 'absolute'.")
     if args.dtype not in DTYPES:
         raise BadArgument(f"--dtype {args.dtype!r}: pick one of {list(DTYPES)}.")
     if args.ruler and ruler_lengths(args.lengths):
@@ -254,7 +264,8 @@ def source_identity(source: str) -> dict:
 def design_specs(args) -> dict[str, dict]:
     """Every design's settings: `family` and `model` (attnzoo.convert.llama's --family and --model) for a
     conversion, `rope` for the source read with transformers' rope scaling."""
-    window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens}
+    window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens,
+              "sink_positions": args.sink_positions}
     lsh = {**window, "attn_layers": ["lsh_window"], "lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
            "lsh_chunk_length": args.lsh_chunk_length}
     return {
@@ -725,35 +736,38 @@ def main(argv=None) -> dict | None:
             for cell in grid_cells(grid, native)]
     started, left = time.perf_counter(), []
 
-    def within_budget(job: dict) -> dict | None:
-        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
-            left.append(job)
-            return None
-        row = measure(job)
+    def within_budget(measure_job, say=None):
+        """measure_job(job) while --max_seconds lasts (None after, the job kept in `left`), `say(job, row)` after."""
+        def run(job: dict) -> dict | None:
+            if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
+                left.append(job)
+                return None
+            row = measure_job(job)
+            if say is not None:
+                say(job, row)
+            return row
+        return run
+
+    def say_cell(job: dict, row: dict) -> None:
         print(f"{job['design']} {job['length']} {job['filler']} depth {job['depth']:g} trial {job['trial']}: "
               f"{'found' if row['correct'] else 'missed'} ({row['continuation']!r}), prefill {row['prefill_s']:.2f} s,"
               f" state {row['state_bytes'] / 2**20:.1f} MiB, cell {row['cell_s']:.1f} s", flush=True)
-        return row
 
     def keep(report: dict) -> None:
         report["summary"] = summary(report)
         write_report(target, report)
 
+    def keeping(field: str):
+        """keep() for a part of the report whose rows go under `field`."""
+        def keep_part(part: dict) -> None:
+            report[field] = part["rows"]
+            keep(report)
+        return keep_part
+
     loss_jobs = [dict(design=design, length=length, folder=folders[design], spec=specs[design], native=native,
                       dtype=args.dtype, threads=args.threads)
                  for length in grid["lengths"] for design in designs if runs_at(design, length, native)]
     loss_part = {"rows": report.setdefault("loss_rows", [])}
-
-    def loss_within_budget(job: dict) -> dict | None:
-        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
-            left.append(job)
-            return None
-        return measure_loss(job)
-
-    def keep_loss(part: dict) -> None:
-        report["loss_rows"] = part["rows"]
-        keep(report)
-
     ruler_jobs = [dict(design=design, task=task, length=length, folder=folders[design], spec=specs[design],
                        native=native, dtype=args.dtype, threads=args.threads,
                        nltk_data=str(args.models_dir / "nltk_data"),
@@ -762,24 +776,20 @@ def main(argv=None) -> dict | None:
                   for task in grid["ruler_tasks"]]
     ruler_part = {"rows": report.setdefault("ruler_rows", [])}
 
-    def ruler_within_budget(job: dict) -> dict | None:
-        if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
-            left.append(job)
-            return None
-        row = measure_ruler(job)
+    def say_ruler(job: dict, row: dict) -> None:
         print(f"RULER {job['task']} {job['design']} {job['length']}: {100 * row['score']:.0f}% of {row['samples']} "
               f"samples, cell {row['cell_s']:.1f} s", flush=True)
-        return row
-
-    def keep_ruler(part: dict) -> None:
-        report["ruler_rows"] = part["rows"]
-        keep(report)
 
     try:
-        measure_missing_rows(report, jobs, KEY, within_budget, keep, args.remeasure)
+        # (the measuring functions are looked up when called, so that a test can count them)
+        measure_missing_rows(report, jobs, KEY, within_budget(lambda job: measure(job), say_cell), keep,
+                             args.remeasure)
         if args.loss:
-            measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, loss_within_budget, keep_loss, args.remeasure)
-        measure_missing_rows(ruler_part, ruler_jobs, RULER_KEY, ruler_within_budget, keep_ruler, args.remeasure)
+            measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, within_budget(lambda job: measure_loss(job)),
+                                 keeping("loss_rows"), args.remeasure)
+        measure_missing_rows(ruler_part, ruler_jobs, RULER_KEY,
+                             within_budget(lambda job: measure_ruler(job), say_ruler), keeping("ruler_rows"),
+                             args.remeasure)
     finally:
         _LOADED.clear()
         _LOADED["key"] = None

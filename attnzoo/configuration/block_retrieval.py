@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from attnzoo.configuration.base import ZooConfig
-from attnzoo.validation import check_positive_ints
+from attnzoo.validation import check_int, check_positive_ints, fail
 
 
 class ZooBlockRetrievalSettings(ZooConfig):
@@ -12,14 +12,23 @@ class ZooBlockRetrievalSettings(ZooConfig):
     mean key scores highest against its selection query, exactly, beside its window and sinks.
 
     Args:
-        block_size: tokens per far-key block, and queries per query block (default 128, InfLLM's).
+        block_size: tokens per far-key block (default 128, InfLLM's).
         block_topk: blocks each query block reads (default 4); with the keys not yet in a selectable block, a query
             reads at most (block_topk + 2) * block_size far keys, whatever the length.
+        block_query_size: queries per query block, the queries that share one selection (None: `block_size`); a
+            divisor of `block_size`. A query block selects with its first query and the `block_size` queries before
+            it, so a smaller one selects with later tokens (a question at the end of a prompt selects for the
+            answer's first token) at the cost of gathering the chosen keys once per smaller block.
     """
 
     block_size: int = 128
     block_topk: int = 4
+    block_query_size: int | None = None
 
     def validate_architecture(self) -> None:
         super().validate_architecture()
         check_positive_ints(self, ("block_size", "block_topk"))
+        fix = f"set a divisor of block_size={self.block_size}, or None for block_size."
+        check_int(self, "block_query_size", 1, fix, optional=True)
+        if self.block_query_size is not None and self.block_size % self.block_query_size:
+            fail("block_query_size", self.block_query_size, fix)

@@ -46,19 +46,22 @@ def test_reading_every_block_is_exact_causal_softmax():
                                    full(x, attention_mask=mask, position_ids=positions)[mask], rtol=1e-10, atol=1e-12)
 
 
-def test_top_k_reads_the_blocks_the_selection_rule_picks_and_the_tail():
-    """One query, by hand: its block's selection query σ (its block's first query plus the block before), each
-    selectable block's mean key, the top-k of their scores; the far triple is softmax over those blocks' keys and
-    the tail (far keys past the selectable blocks), and differs from reading every far key."""
+@pytest.mark.parametrize("query_size", [None, 1])
+def test_top_k_reads_the_blocks_the_selection_rule_picks_and_the_tail(query_size):
+    """One query, by hand: its query block's selection query σ (the query block's first query plus the block_size
+    queries before it; query blocks of block_size or of 1 query), each selectable block's mean key, the top-k of
+    their scores; the far triple is softmax over those blocks' keys and the tail (far keys past the selectable
+    blocks), and differs from reading every far key."""
     torch.manual_seed(0)
-    layer = build_attention("block_window", config(), 0, True).double().eval()
+    layer = build_attention("block_window", config(block_query_size=query_size), 0, True).double().eval()
     size, window, sinks, topk = 3, 4, 2, 2
+    step = query_size or size
     q = torch.randn(1, 4, 40, 8, dtype=torch.float64)
     k, v = torch.randn(1, 2, 40, 8, dtype=torch.float64), torch.randn(1, 2, 40, 8, dtype=torch.float64)
     position = torch.arange(40)[None]
     num, den, lse, _, _ = layer.far.parallel(FarInputs(q, k, v, position < 40, position))
-    query, head = 37, 3  # block 12 (positions 36-38), key/value head 1
-    start = query - query % size
+    query, head = 37, 3  # key/value head 1
+    start = query - query % step
     selection = q[0, head, start] + q[0, head, start - size:start].sum(0)
     selectable = int(selectable_blocks(torch.tensor(start), window, sinks, size))
     means = torch.stack([k[0, 1, sinks + m * size:sinks + (m + 1) * size].mean(0) for m in range(selectable)])
@@ -82,7 +85,7 @@ def test_decoding_keeps_each_far_key_once_and_one_sum_per_block():
     for t in range(20, 30):
         out = model(ids[:, t:t + 1], cache=output_cache(out), use_cache=True)
     state = far_state(output_cache(out).layers[0])
-    assert {"block_keys", "block_values", "block_key_sums", "block_query_sum", "block_query_sum_before",
+    assert {"block_keys", "block_values", "block_key_sums", "block_query_sum", "block_query_sums_before",
             "block_selection", "block_selected"} <= set(state)
     held = 30 - 4  # keys that left the window
     assert state["block_keys"].shape[:2] == (2, 2) and held <= state["block_keys"].shape[2] <= held + 4
@@ -100,6 +103,24 @@ def test_bad_block_settings_are_refused_naming_the_field(field):
         config(**{field: 0})
 
 
+@pytest.mark.parametrize("query_size", [0, 2, 4])
+def test_a_query_block_that_does_not_divide_the_key_block_is_refused(query_size):
+    with pytest.raises(ValueError, match=rf"block_query_size={query_size} is invalid: set a divisor of block_size=3"):
+        config(block_query_size=query_size)
+
+
 def test_an_encoder_layer_is_refused():
     with pytest.raises(ValueError, match=r"'block_window' is for causal \(decoder\) layers"):
         build_attention("block_window", config(), 0, False)
+
+
+@pytest.mark.parametrize("query_size", [None, 1])
+@pytest.mark.parametrize("gathered", [1, 200])  # one query block per group; groups that do not divide the blocks
+def test_groups_of_query_blocks_equal_the_reference(gathered, query_size, monkeypatch):
+    """Long prompts gather the blocks of a group of query blocks at a time (a cache bound); any group size gives the
+    reference's values and gradients, with query blocks of block_size and of one query."""
+    import attnzoo.modeling.attention.block_window as block_window
+    from attnzoo.modeling.attention.conformance import fast_equals_reference
+
+    monkeypatch.setattr(block_window, "GATHERED_KEYS", gathered)
+    fast_equals_reference("block_window", block_size=3, block_topk=2, block_query_size=query_size)

@@ -13,6 +13,7 @@ VARIANTS = {
     "lara": [{"lara_weighting": "query_specific"}],
     "ra": [{"ra_variant": "biased"}],
     "lsh": [{"lsh_attend_to": "chunk"}, {"lsh_shared_qk": False}],
+    "block": [{"block_query_size": 1}],
 }
 CASES = [("window", {}), ("window", {"sink_positions": "adjacent"})] + [
     (f"{name}_window", settings) for name in sorted(FAR_PART_REGISTRY)

@@ -5,28 +5,37 @@ InfLLM ("InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Effic
 2402.04617, §3.2) keeps a pretrained model's far keys in blocks of consecutive tokens, scores each block by
 representative keys, and lets a query read only the top-k blocks, exactly; with every far key at one distance (its
 `far_positions="fixed"` here) the model meets no distance it did not train on. Here, with positions counted in real
-tokens, W = `window_size`, S = `num_sink_tokens`, b = `block_size` and k = `block_topk`:
+tokens, W = `window_size`, S = `num_sink_tokens`, b = `block_size`, k = `block_topk` and s = `block_query_size`
+(b when not set; s <= b):
 
 - far-key block m holds the keys at positions S + m b .. S + (m + 1) b - 1; its representative is its mean key;
-- query block t holds the queries at positions t b .. (t + 1) b - 1; it may select the M_t = floor((t b - W - S + 1)
+- query block t holds the queries at positions t s .. (t + 1) s - 1; it may select the M_t = floor((t s - W - S + 1)
   / b) blocks whose every key is far from its first query, and selects the k of them whose representatives score
-  highest against its selection query σ_t = q_{t b} + Σ_{t b - b <= p < t b} q_p (its first query and the block
+  highest against its selection query σ_t = q_{t s} + Σ_{t s - b <= p < t s} q_p (its first query and the b queries
   before it: only earlier tokens, so the layer stays causal and decoding selects as the full forward does);
 - query i of block t reads, beyond its window and sinks, every key of the selected blocks and every far key not in
-  a selectable block (positions S + M_t b .. i - W: fewer than 2b, the keys that left the window since its block
-  began), scored q·k / √d and normalised together (`normalised_far`).
+  a selectable block (positions S + M_t b .. i - W: fewer than s + b <= 2b, the keys that left the window since its
+  block began), scored q·k / √d and normalised together (`normalised_far`).
 
-A query thus reads at most (k + 2) b far keys at any length. InfLLM selects per chunk of queries with
+The query block sets how recent the selecting tokens are. A prompt's last token, whose logits give the answer's
+first token, selects with σ of its own query block; with s = b = 32 and a question of ten tokens at the end of the
+block, σ is the block's first query and the block before, filler only, and on SmolLM2 at 16K (teacher-forced) the
+key blocks then miss the first layers' selection and the answer's first token loses to " a"; a prompt one token
+longer, whose last token opens a block and selects with the question, answers. A smaller s lets the latest tokens
+select at the cost of gathering the chosen keys once per s queries instead of once per b.
+
+A query thus reads fewer than (k + 2) b far keys at any length. InfLLM selects per chunk of queries with
 representative tokens chosen by the attention they receive; the mean key (as Quest and landmark methods score a
 block by one vector) keeps the state to the keys, the values and one sum per block. Where InfLLM's prefill chunks
 would let a query's selection depend on later queries of its chunk, σ_t reads only tokens up to the block's first
 query.
 
-The parallel form gathers each query block's selected blocks and its tail from the left-aligned keys and scores its
-queries against them, in groups of query blocks bounded by `BLOCK_PAIRS` (memory: at 32K tokens the whole sequence
-would need gigabytes of gathered keys and scores). Decoding keeps, beside the window's ring, the keys and values that
-have left the window (as a KV cache does, once), one key sum per block, the running query sums and the current
-selection: a new token costs O(number of blocks · d + (k + 2) b · d).
+The parallel form gathers each query block's selected blocks and its tail (blocks M_t and M_t + 1) from the
+left-aligned keys as whole blocks and scores its queries against them, in groups of query blocks bounded by
+`GATHERED_KEYS` (the whole sequence at 32K tokens would need gigabytes of gathered keys and scores; a group that
+fits the CPU's caches runs several times faster than one that does not). Decoding keeps, beside the window's ring,
+the keys and values that have left the window (as a KV cache does, once), one key sum per block, the running query
+sums and the current selection: a new token costs O(number of blocks · d + (k + 2) b · d).
 """
 
 from __future__ import annotations
@@ -39,9 +48,10 @@ from attnzoo.modeling.attention.lsh import gather_grouped
 from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 
-#: (query, key) scores one group of query blocks computes at once in the parallel form: a memory bound (256 MB of
-#: float32 scores, and as many gathered keys and values per head width of 64)
-BLOCK_PAIRS = 1 << 26
+#: keys (and as many values) one group of query blocks gathers at once in the parallel form: a bound that keeps the
+#: gathered keys, values and scores of a group in the CPU's caches (at 16K tokens on SmolLM2's shapes, groups of
+#: 2^14 gathered keys ran the far part 2.7x faster than groups of 2^22, which had to fetch them from memory)
+GATHERED_KEYS = 1 << 14
 
 
 def selectable_blocks(block_start: torch.Tensor, window: int, sinks: int, size: int) -> torch.Tensor:
@@ -70,6 +80,8 @@ class BlockFarPart(FarPart):
     def __init__(self, layer, config):
         super().__init__(layer, config)
         self.size, self.topk = config.block_size, config.block_topk
+        self.query_size = config.block_query_size or config.block_size
+        self.lookback = self.size // self.query_size  # query blocks before a block's first query that select
 
     def _key_positions(self, chosen_blocks, chosen, tail_start):
         """(positions [..., k b] of the chosen blocks' keys, which of them are read, positions [..., 2b] of the tail
@@ -84,34 +96,43 @@ class BlockFarPart(FarPart):
     def parallel(self, x: FarInputs) -> FarOutput:
         q, k, v = x.q, x.k, x.v
         batch, heads, length, dim = q.shape
-        size, window, sinks = self.size, self.window_size, self.sinks
-        query_blocks = -(-length // size)
-        padded = query_blocks * size
-        q_blocks = torch.nn.functional.pad(q, (0, 0, 0, padded - length)).view(batch, heads, query_blocks, size, dim)
+        size, window, sinks, qsize = self.size, self.window_size, self.sinks, self.query_size
+        query_blocks = -(-length // qsize)
+        padded = query_blocks * qsize
+        q_blocks = torch.nn.functional.pad(q, (0, 0, 0, padded - length)).view(batch, heads, query_blocks, qsize, dim)
         block_sums = q_blocks.sum(3)
-        before = torch.cat([torch.zeros_like(block_sums[:, :, :1]), block_sums[:, :, :-1]], 2)
-        selection_query = q_blocks[:, :, :, 0] + before  # σ_t [B, H, T, d]
+        selection_query = q_blocks[:, :, :, 0] + self._sums_before(block_sums)  # σ_t [B, H, T, d]
 
         key_sums = self._key_block_sums(k)  # [B, kv, n, d]
         reps = self.expand_kv(key_sums) / size
-        starts = torch.arange(query_blocks, device=q.device) * size
+        starts = torch.arange(query_blocks, device=q.device) * qsize
         selectable = selectable_blocks(starts, window, sinks, size)  # [T]
         chosen_blocks, chosen = top_blocks(selection_query @ reps.transpose(-1, -2), selectable, self.topk)
 
-        positions = torch.arange(padded, device=q.device).view(query_blocks, size)
-        in_blocks, block_ok, tail = self._key_positions(chosen_blocks, chosen, sinks + selectable * size)
-        tail_ok = tail.unsqueeze(-2) <= (positions - window).unsqueeze(-1)  # [T, b, 2b]
-        index = torch.cat([in_blocks, tail.expand(batch, heads, -1, -1)], -1)  # [B, H, T, n]
-        allowed = torch.cat([block_ok.unsqueeze(-2).expand(-1, -1, -1, size, -1),
-                             tail_ok.expand(batch, heads, -1, -1, -1)], -1)  # [B, H, T, b, n]
-        index = index.clamp(0, length - 1)
-        per_block = heads * size * index.shape[-1]
-        group = max(1, BLOCK_PAIRS // max(per_block * batch, 1))
-        outputs = [self._attend(q_blocks[:, :, t:t + group], k, v, index[:, :, t:t + group],
-                                allowed[:, :, t:t + group]) for t in range(0, query_blocks, group)]
+        # the tail (far keys past the selectable blocks) is blocks M_t and M_t + 1: every key a query block reads
+        # is in k + 2 whole blocks, gathered as rows of b keys
+        read = torch.cat([chosen_blocks, (selectable + torch.arange(2, device=q.device)[:, None]).T.expand(
+            batch, heads, -1, -1)], -1)  # [B, H, T, k + 2]
+        key_blocks, value_blocks = (self._far_blocks(x_, read.shape[-1]) for x_ in (k, v))
+        read = read.clamp(0, key_blocks.shape[2] - 1)
+        positions = torch.arange(padded, device=q.device).view(query_blocks, qsize)
+        tail = sinks + selectable[:, None] * size + torch.arange(2 * size, device=q.device)  # [T, 2b]
+        tail_ok = tail.unsqueeze(-2) <= (positions - window).unsqueeze(-1)  # [T, s, 2b]
+        group = max(1, GATHERED_KEYS // (batch * heads * read.shape[-1] * size))
+        outputs = [self._attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
+                                chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
         num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))
         state = self._start_state(q_blocks, k, v, x.n_real, chosen_blocks, chosen) if x.keep_state else None
         return FarOutput(num, den, lse, state)
+
+    def _sums_before(self, block_sums):
+        """[B, H, T, d]: for each query block, the sum of the b queries before it (the `lookback` query blocks before
+        it in `block_sums` [B, H, T, d], zero before the first)."""
+        lookback, blocks = self.lookback, block_sums.shape[2]
+        earlier = torch.nn.functional.pad(block_sums, (0, 0, lookback, 0))[:, :, :blocks + lookback - 1]
+        if lookback == 1:
+            return earlier
+        return earlier.unfold(2, lookback, 1).sum(-1)
 
     def _key_block_sums(self, k, real_far=None):
         """[B, kv, n, d] sums of the keys of each far-key block (positions S + m b ..), over `real_far` [B, L] keys
@@ -124,14 +145,26 @@ class BlockFarPart(FarPart):
         far = torch.nn.functional.pad(far, (0, 0, 0, blocks * self.size - far.shape[2]))
         return far.view(batch, kv_heads, blocks, self.size, dim).sum(3)
 
-    def _attend(self, q_blocks, k, v, index, allowed):
-        """The far triple of query blocks q_blocks [B, H, G, b, d] over the keys at `index` [B, H, G, n] (positions
-        in k, v [B, kv, L, ·]) where `allowed` [B, H, G, b, n]."""
-        batch, heads, group, size, _ = q_blocks.shape
-        flat = index.flatten(2)
-        keys = gather_grouped(k, flat).view(batch, heads, group, -1, k.shape[-1])
-        values = gather_grouped(v, flat).view(batch, heads, group, -1, v.shape[-1])
-        logits = (q_blocks @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)
+    def _far_blocks(self, x, spare: int):
+        """x [B, kv, L, e] from the first far position on, zero-padded into whole blocks with `spare` more: [B, kv,
+        n + spare, b * e] (a block per row, for `gather_grouped`)."""
+        batch, kv_heads, _, width = x.shape
+        far = x[:, :, self.sinks:]
+        blocks = -(-far.shape[2] // self.size) + spare
+        far = torch.nn.functional.pad(far, (0, 0, 0, blocks * self.size - far.shape[2]))
+        return far.reshape(batch, kv_heads, blocks, self.size * width)
+
+    def _attend(self, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok):
+        """The far triple of query blocks q_blocks [B, H, G, s, d] over the far-key blocks `read` [B, H, G, k + 2]
+        (rows of key_blocks, value_blocks [B, kv, n, b * ·]; the last two: the tail), the first k where `chosen`
+        [B, H, G, k], the tail's keys where `tail_ok` [G, s, 2b]."""
+        batch, heads, group, qsize, dim = q_blocks.shape
+        keys = gather_grouped(key_blocks, read.flatten(2)).view(batch, heads, group, -1, dim)
+        values = gather_grouped(value_blocks, read.flatten(2)).view(batch, heads, group, keys.shape[3], -1)
+        logits = (q_blocks @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, H, G, s, (k + 2) b]
+        block_ok = chosen.repeat_interleave(self.size, -1)[:, :, :, None]  # [B, H, G, 1, k b]
+        allowed = torch.cat([block_ok.expand(-1, -1, -1, qsize, -1),
+                             tail_ok.expand(batch, heads, -1, -1, -1)], -1)
         return normalised_far(logits.masked_fill(~allowed, float("-inf")), values)
 
     # -- decoding ---------------------------------------------------------------------------------------------------
@@ -149,15 +182,16 @@ class BlockFarPart(FarPart):
         real_query = (torch.arange(blocks * size, device=k.device)[None] <= last[:, None]).view(batch, 1, blocks,
                                                                                                size, 1)
         real_sums = (q_blocks * real_query).sum(3)  # [B, H, T, d]
-        current = last.clamp(min=0) // size  # the block of each row's last token
+        current = last.clamp(min=0) // self.query_size  # the query block of each row's last token
         rows = torch.arange(batch, device=k.device)
         has_tokens = (n_real > 0)[:, None, None]
         cur = torch.where(has_tokens, real_sums[rows, :, current], 0.0)
-        prev = torch.where(has_tokens & (current > 0)[:, None, None], real_sums[rows, :, (current - 1).clamp(min=0)],
-                           0.0)
+        earlier = current[:, None] - self.lookback + torch.arange(self.lookback, device=k.device)  # [B, r], oldest 1st
+        prev = real_sums[rows[:, None], :, earlier.clamp(min=0)].transpose(1, 2)  # [B, H, r, d]
+        prev = torch.where(has_tokens[..., None] & (earlier >= 0)[:, None, :, None], prev, 0.0)
         return dict(block_keys=with_spare_tokens(k[:, :, :gone]), block_values=with_spare_tokens(v[:, :, :gone]),
                     block_key_sums=with_spare_tokens(self._key_block_sums(k, real_far)),
-                    block_query_sum=cur, block_query_sum_before=prev,
+                    block_query_sum=cur, block_query_sums_before=prev,
                     block_selection=chosen_blocks[rows, :, current],
                     block_selected=chosen[rows, :, current] & has_tokens)
 
@@ -180,14 +214,15 @@ class BlockFarPart(FarPart):
                                                         needed)
 
         query = q[:, :, 0]  # [B, H, d]
-        opens = (real & (position % size == 0))[:, None, None]
-        before = torch.where(opens, stored["block_query_sum"], stored["block_query_sum_before"])
-        stored["block_query_sum_before"] = before
+        opens = (real & (position % self.query_size == 0))[:, None, None]
+        earlier = stored["block_query_sums_before"]  # [B, H, r, d]: the last r finished query blocks' sums
+        shifted = torch.cat([earlier[:, :, 1:], stored["block_query_sum"][:, :, None]], 2)
+        stored["block_query_sums_before"] = earlier = torch.where(opens[..., None], shifted, earlier)
         stored["block_query_sum"] = torch.where(opens, 0.0, stored["block_query_sum"]) + query * real[:, None, None]
-        block_start = position - position % size
+        block_start = position - position % self.query_size
         selectable = selectable_blocks(block_start, window, sinks, size)  # [B]
         reps = self.expand_kv(sums) / size
-        new_blocks, new_chosen = top_blocks((reps @ (before + query).unsqueeze(-1)).squeeze(-1),
+        new_blocks, new_chosen = top_blocks((reps @ (earlier.sum(2) + query).unsqueeze(-1)).squeeze(-1),
                                             selectable[:, None], self.topk)
         chosen_blocks = torch.where(opens, new_blocks, stored["block_selection"])
         chosen = torch.where(opens, new_chosen, stored["block_selected"])
@@ -210,9 +245,9 @@ class BlockFarPart(FarPart):
         and each block's mean key as masked sums, the chosen blocks by `topk` over every block, and the far keys it
         reads as a mask (`far` [B, L, L], the window rule's) -> one softmax over them."""
         q, k, v, valid, far = x.q, x.k, x.v, x.valid, x.far
-        size, window, sinks = self.size, self.window_size, self.sinks
+        size, window, sinks, qsize = self.size, self.window_size, self.sinks, self.query_size
         position = valid.long().cumsum(-1) - 1  # [B, L]
-        start = position - position % size  # each query's block start
+        start = position - position % qsize  # each query's block start
         key_pos = position[:, None, :]
         opens_or_before = (key_pos == start[:, :, None]) | ((key_pos >= start[:, :, None] - size) &
                                                             (key_pos < start[:, :, None]))

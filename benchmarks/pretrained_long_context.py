@@ -16,11 +16,13 @@ Designs (each a named conversion of the source, converted once into --models_dir
   query sees the sinks at distances the model never trained on, and since the sinks take much of every head's
   attention, the whole forward leaves its training distribution (on SmolLM2 at 16K: broken text from every design);
 - `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
-  --block_topk) with every far key at distance window_size (`far_positions=[fixed]`). The defaults, 16 blocks of
-  32 keys, read as many far keys as InfLLM's 4 of 128 but select with a query block of 32: a block's selection
-  query (its first query and the block before) then holds the question that asks for the key, where with 128 it is
-  mostly filler (on SmolLM2 at 4K, teacher-forced, 128-token blocks missed the keys that 32-token blocks found;
-  `--block_size 128 --block_topk 4` runs InfLLM's sizes as another setup);
+  --block_topk, --block_query_size) with every far key at distance window_size (`far_positions=[fixed]`). The
+  defaults, 16 blocks of 32 keys, read as many far keys as InfLLM's 4 of 128, and a query block of 4 queries
+  selects with its first query and the 32 before it, so the question at the end of a prompt selects for the
+  answer's first token. On SmolLM2, teacher-forced: at 4K, 128-token blocks (σ mostly filler) missed the keys that
+  32-token blocks found; at 16K, query blocks of 32 (the prompt's last token selecting with the filler before the
+  question) lost the answer's first token to " a", and query blocks of 4 found it (`--block_size 128 --block_topk
+  4 --block_query_size 128` runs InfLLM's sizes as another setup);
 - `block_bounded`: `block_fixed`'s far part in the --retrieval_top layers that read a far pass key most in the
   source (`attnzoo.evaluation.retrieval_layers`: the source's own attention weights on the key line, on pass-key
   prompts of --calibration_length tokens with the key at least window_size back; no training), window + sinks in
@@ -157,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "distance the model trained on)")
     p.add_argument("--block_size", type=int, default=32, help="far-key block size of block_fixed (see the docstring)")
     p.add_argument("--block_topk", type=int, default=16, help="blocks each query block of block_fixed reads")
+    p.add_argument("--block_query_size", type=int, default=4,
+                   help="queries per query block of block_fixed (a divisor of --block_size; see the docstring)")
     p.add_argument("--retrieval_top", type=int, default=6, help="layers of block_bounded that keep the far part")
     p.add_argument("--calibration_length", type=int, default=4096,
                    help="tokens of block_bounded's calibration prompts (at most the source's training length)")
@@ -200,6 +204,7 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
+                "block_query_size",
                 "retrieval_top", "calibration_length", "calibration_prompts", "lsh_num_hashes", "lsh_chunk_length",
                 "far_position_group", "threads", "ruler_samples",
                 "ruler_long_samples")
@@ -208,6 +213,9 @@ def check_arguments(args) -> None:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
     if args.calibration_distance is not None and args.calibration_distance < 1:
         raise BadArgument(f"--calibration_distance={args.calibration_distance}: give a positive number of tokens.")
+    if args.block_size % args.block_query_size:
+        raise BadArgument(f"--block_query_size={args.block_query_size}: give a divisor of --block_size="
+                          f"{args.block_size} (query blocks tile the far-key blocks).")
     if args.num_sink_tokens < 0:
         raise BadArgument(f"--num_sink_tokens={args.num_sink_tokens}: give 0 or more sink tokens.")
     if args.dynamic_factor < 1:
@@ -266,6 +274,7 @@ def design_specs(args) -> dict[str, dict]:
     conversion, `rope` for the source read with transformers' rope scaling."""
     window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens,
               "sink_positions": args.sink_positions}
+    block = {"block_size": args.block_size, "block_topk": args.block_topk, "block_query_size": args.block_query_size}
     lsh = {**window, "attn_layers": ["lsh_window"], "lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
            "lsh_chunk_length": args.lsh_chunk_length}
     return {
@@ -274,10 +283,8 @@ def design_specs(args) -> dict[str, dict]:
         "source_dynamic": {"rope": {"rope_type": "dynamic", "factor": args.dynamic_factor}},
         "window": {"family": "window", "model": window},
         "block_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
-                                                      "far_positions": ["fixed"], "block_size": args.block_size,
-                                                      "block_topk": args.block_topk}},
-        "block_bounded": {"family": "hybrid", "model": {**window, "block_size": args.block_size,
-                                                        "block_topk": args.block_topk},
+                                                      "far_positions": ["fixed"], **block}},
+        "block_bounded": {"family": "hybrid", "model": {**window, **block},
                           "retrieval_layers": {"top": args.retrieval_top, "far_kind": "block_window",
                                                "far_positions": "fixed",
                                                "length": args.calibration_length,

@@ -126,7 +126,7 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
 
 @pytest.mark.parametrize("flag, value", [("--designs", "nope"), ("--lengths", "8"), ("--depths", "1.5"),
                                          ("--fillers", "lorem"), ("--trials", "0"), ("--dtype", "int8"),
-                                         ("--sink_positions", "middle")])
+                                         ("--sink_positions", "middle"), ("--block_query_size", "5")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),

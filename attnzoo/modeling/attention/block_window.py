@@ -49,8 +49,8 @@ from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, n
 from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 
 #: keys (and as many values) one group of query blocks gathers at once in the parallel form: a bound that keeps the
-#: gathered keys, values and scores of a group in the CPU's caches (at 16K tokens on SmolLM2's shapes, groups of
-#: 2^14 gathered keys ran the far part 2.7x faster than groups of 2^22, which had to fetch them from memory)
+#: gathered keys, values and scores of a group in the CPU's caches (on SmolLM2's shapes at 16K tokens, groups of
+#: 2^14 gathered keys ran the far part several times faster than groups of 2^22, which live in memory)
 GATHERED_KEYS = 1 << 14
 
 

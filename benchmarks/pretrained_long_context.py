@@ -204,10 +204,8 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
-                "block_query_size",
-                "retrieval_top", "calibration_length", "calibration_prompts", "lsh_num_hashes", "lsh_chunk_length",
-                "far_position_group", "threads", "ruler_samples",
-                "ruler_long_samples")
+                "block_query_size", "retrieval_top", "calibration_length", "calibration_prompts", "lsh_num_hashes",
+                "lsh_chunk_length", "far_position_group", "threads", "ruler_samples", "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")

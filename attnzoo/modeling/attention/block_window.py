@@ -6,7 +6,7 @@ InfLLM ("InfLLM: Training-Free Long-Context Extrapolation for LLMs with an Effic
 representative keys, and lets a query read only the top-k blocks, exactly; with every far key at one distance (its
 `far_positions="fixed"` here) the model meets no distance it did not train on. Here, with positions counted in real
 tokens, W = `window_size`, S = `num_sink_tokens`, b = `block_size`, k = `block_topk` and s = `block_query_size`
-(b when not set; s <= b):
+(b when not set; a divisor of b):
 
 - far-key block m holds the keys at positions S + m b .. S + (m + 1) b - 1; its representative is its mean key;
 - query block t holds the queries at positions t s .. (t + 1) s - 1; it may select the M_t = floor((t s - W - S + 1)
@@ -103,7 +103,9 @@ class BlockFarPart(FarPart):
         block_sums = q_blocks.sum(3)
         selection_query = q_blocks[:, :, :, 0] + self._sums_before(block_sums)  # σ_t [B, H, T, d]
 
-        key_sums = self._key_block_sums(k)  # [B, kv, n, d]
+        # every far key in whole blocks, with 2 zero blocks past the last so that a tail block always exists
+        key_blocks, value_blocks = (self._far_blocks(x_, 2) for x_ in (k, v))  # [B, kv, n + 2, b * d|e]
+        key_sums = key_blocks.view(*key_blocks.shape[:3], size, dim).sum(3)  # the 2 spare blocks: never selectable
         reps = self.expand_kv(key_sums) / size
         starts = torch.arange(query_blocks, device=q.device) * qsize
         selectable = selectable_blocks(starts, window, sinks, size)  # [T]
@@ -113,7 +115,6 @@ class BlockFarPart(FarPart):
         # is in k + 2 whole blocks, gathered as rows of b keys
         read = torch.cat([chosen_blocks, (selectable + torch.arange(2, device=q.device)[:, None]).T.expand(
             batch, heads, -1, -1)], -1)  # [B, H, T, k + 2]
-        key_blocks, value_blocks = (self._far_blocks(x_, read.shape[-1]) for x_ in (k, v))
         read = read.clamp(0, key_blocks.shape[2] - 1)
         positions = torch.arange(padded, device=q.device).view(query_blocks, qsize)
         tail = sinks + selectable[:, None] * size + torch.arange(2 * size, device=q.device)  # [T, 2b]
@@ -137,13 +138,10 @@ class BlockFarPart(FarPart):
     def _key_block_sums(self, k, real_far=None):
         """[B, kv, n, d] sums of the keys of each far-key block (positions S + m b ..), over `real_far` [B, L] keys
         only when given."""
-        batch, kv_heads, length, dim = k.shape
-        far = k[:, :, self.sinks:]
         if real_far is not None:
-            far = far * real_far[:, None, self.sinks:, None]
-        blocks = max(-(-far.shape[2] // self.size), 1)
-        far = torch.nn.functional.pad(far, (0, 0, 0, blocks * self.size - far.shape[2]))
-        return far.view(batch, kv_heads, blocks, self.size, dim).sum(3)
+            k = k * real_far[:, None, :, None]
+        blocks = self._far_blocks(k, int(k.shape[2] <= self.sinks))  # one block of zeros when none is far yet
+        return blocks.view(*blocks.shape[:3], self.size, k.shape[-1]).sum(3)
 
     def _far_blocks(self, x, spare: int):
         """x [B, kv, L, e] from the first far position on, zero-padded into whole blocks with `spare` more: [B, kv,

@@ -27,6 +27,11 @@ Designs (each a named conversion of the source, converted once into --models_dir
   source (`attnzoo.evaluation.retrieval_layers`: the source's own attention weights on the key line, on pass-key
   prompts of --calibration_length tokens with the key at least window_size back; no training), window + sinks in
   every other layer: the decoding state of the others stays W + sinks tokens at any length;
+- `block_attributed`: the same layout, the --attributed_top layers chosen by what their far parts are worth to the
+  answer in `block_fixed` itself (`retrieval_layers.far_part_attributions`: the integrated gradient of the answer's
+  NLL with respect to a gate on each layer's far mass, on --attribution_prompts prompts of --calibration_length
+  tokens, --attribution_steps gate values; no training). A layer whose heads read the key is not always one whose far
+  part the answer needs: on SmolLM2 the two choices differ in a layer, and `block_bounded`'s choice misses keys;
 - `lsh_fixed` / `lsh_grouped`: the exact window plus LSH's far part with separate queries and keys
   (`attn_layers=[lsh_window]`, `lsh_shared_qk=false`, --lsh_num_hashes, --lsh_chunk_length), its far keys at the
   fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group).
@@ -107,8 +112,8 @@ README = ROOT / "README.md"
 MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-context:end -->")
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
-DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded", "lsh_fixed",
-                "lsh_grouped")
+DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded",
+                "block_attributed", "lsh_fixed", "lsh_grouped")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -165,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration_length", type=int, default=4096,
                    help="tokens of block_bounded's calibration prompts (at most the source's training length)")
     p.add_argument("--calibration_prompts", type=int, default=8)
+    p.add_argument("--attributed_top", type=int, default=7,
+                   help="layers of block_attributed that keep the far part (7 of SmolLM2's 30 keep the decoding "
+                        "state at 32K under 0.3x the source's KV cache)")
+    p.add_argument("--attribution_prompts", type=int, default=4,
+                   help="calibration prompts of block_attributed (each costs a forward and backward per step)")
+    p.add_argument("--attribution_steps", type=int, default=4, help="gate values block_attributed integrates over")
     p.add_argument("--calibration_distance", type=int, default=None,
                    help="the calibration's key line ends at least this many tokens back (default: --window_size)")
     p.add_argument("--lsh_num_hashes", type=int, default=4)
@@ -204,7 +215,8 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
-                "block_query_size", "retrieval_top", "calibration_length", "calibration_prompts", "lsh_num_hashes",
+                "block_query_size", "retrieval_top", "attributed_top", "attribution_prompts", "attribution_steps",
+                "calibration_length", "calibration_prompts", "lsh_num_hashes",
                 "lsh_chunk_length", "far_position_group", "threads", "ruler_samples", "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
@@ -288,10 +300,31 @@ def design_specs(args) -> dict[str, dict]:
                                                "length": args.calibration_length,
                                                "min_distance": args.calibration_distance or args.window_size,
                                                "prompts": args.calibration_prompts, "seed": args.seed}},
+        "block_attributed": {"family": "hybrid", "model": {**window, **block},
+                             "retrieval_layers": {"method": "attribution", "of": "block_fixed",
+                                                  "top": args.attributed_top, "far_kind": "block_window",
+                                                  "far_positions": "fixed", "length": args.calibration_length,
+                                                  "min_distance": args.calibration_distance or args.window_size,
+                                                  "prompts": args.attribution_prompts,
+                                                  "steps": args.attribution_steps, "seed": args.seed}},
         "lsh_fixed": {"family": "hybrid", "model": {**lsh, "far_positions": ["fixed"]}},
         "lsh_grouped": {"family": "hybrid", "model": {**lsh, "far_positions": ["grouped"],
                                                       "far_position_group": args.far_position_group}},
     }
+
+
+def with_new_designs(setup: dict):
+    """report_target's reading of an earlier report's setup: the designs this benchmark has gained since, added as
+    they are now (the earlier report has no rows of them, so its rows hold for this setup too); a design changed or
+    taken away, or any other setting changed, is still another setup."""
+    def setup_of(earlier: dict):
+        stated = earlier.get("setup")
+        if not isinstance(stated, dict) or not isinstance(stated.get("designs"), dict):
+            return stated
+        now = as_recorded(setup)["designs"]
+        return {**stated, "designs": {**{k: v for k, v in now.items() if k not in stated["designs"]},
+                                      **stated["designs"]}}
+    return setup_of
 
 
 def digest(value) -> str:
@@ -318,7 +351,10 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
             print(f"  {time.perf_counter() - started:.1f} s", flush=True)
         source_dir = str(args.models_dir / rel)
     folders, source = {}, None
-    for name in designs:
+    needed = [specs[d]["retrieval_layers"]["of"] for d in designs if "of" in specs[d].get("retrieval_layers", {})]
+    for name in [*dict.fromkeys(needed), *designs]:  # a design that calibrates on another: that one first
+        if name in folders:
+            continue
         spec = specs[name]
         if "family" not in spec:
             folders[name] = source_dir
@@ -333,7 +369,9 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
             source = source if source is not None else load_source(source_dir)
             model_settings, calibration = dict(spec["model"]), None
             if "retrieval_layers" in spec:
-                calibration = calibrated_layout(source, source_dir, spec["retrieval_layers"])
+                settings = spec["retrieval_layers"]
+                calibration = calibrated_layout(source, source_dir, settings,
+                                                folders.get(settings.get("of")))
                 model_settings.update(calibration["layout"])
             print(f"converting {name} into {target} (once): --family {spec['family']} --model {model_settings}",
                   flush=True)
@@ -343,19 +381,29 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
             if calibration is not None:  # beside the model: the layers it keeps a far part in, and why
                 (target / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         folders[name] = str(args.models_dir / rel)
-    return folders
+    return {name: folders[name] for name in designs}
 
 
-def calibrated_layout(source, source_dir: str, settings: dict) -> dict:
+def calibrated_layout(source, source_dir: str, settings: dict, converted: str | None = None) -> dict:
     """The calibration's record: the layout (attn_layers with settings["far_kind"] and settings["far_positions"] in
-    the source's settings["top"] retrieval layers, `window` elsewhere; attnzoo.evaluation.retrieval_layers), the
-    scores, the seconds it took."""
+    the settings["top"] layers, `window` elsewhere; attnzoo.evaluation.retrieval_layers), the scores, the seconds it
+    took. The layers are the source's retrieval layers, or with settings["method"] == "attribution" the layers whose
+    far parts the answer needs most in the conversion at `converted` (a folder)."""
     from attnzoo.convert.common import load_text_tokenizer
-    from attnzoo.evaluation.retrieval_layers import layout, retrieval_scores, top_layers
+    from attnzoo.evaluation.retrieval_layers import far_part_attributions, layout, retrieval_scores, top_layers
 
     started = time.perf_counter()
-    scores = retrieval_scores(source, load_text_tokenizer(source_dir), length=settings["length"],
-                              min_distance=settings["min_distance"], prompts=settings["prompts"], seed=settings["seed"])
+    common = dict(length=settings["length"], min_distance=settings["min_distance"], prompts=settings["prompts"],
+                  seed=settings["seed"])
+    if settings.get("method") == "attribution":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+        scores = far_part_attributions(model, load_text_tokenizer(converted), steps=settings["steps"], **common)
+        del model
+    else:
+        scores = retrieval_scores(source, load_text_tokenizer(source_dir), **common)
     chosen = top_layers(scores["layer_scores"], settings["top"])
     settings_by_layer = layout(len(scores["layer_scores"]), chosen, settings["far_kind"],
                                far_positions=settings["far_positions"])
@@ -714,7 +762,8 @@ def main(argv=None) -> dict | None:
     specs = design_specs(args)
     setup = {"source": identity, "designs": specs, "seed": args.seed, "digits": args.digits, "dtype": args.dtype,
              "threads": args.threads, "scoring": "attnzoo.evaluation.passkey.is_correct, greedy, batch 1"}
-    target = report_target(args.results, setup, REPORT_CHECK, LABEL)  # refused before anything is converted
+    # refused before anything is converted
+    target = report_target(args.results, setup, REPORT_CHECK, LABEL, setup_of=with_new_designs(setup))
     designs = list(dict.fromkeys(args.designs))
     folders = prepare_models(args, specs, identity, designs)
     from transformers import AutoConfig
@@ -722,6 +771,7 @@ def main(argv=None) -> dict | None:
     native = int(AutoConfig.from_pretrained(folders[designs[0]]).max_position_embeddings)
     report = (read_report(target, REPORT_CHECK, LABEL) if target.exists()
               else {"benchmark": LABEL, "setup": as_recorded(setup), "rows": []})
+    report["setup"] = as_recorded(setup)  # an earlier report's setup, with the designs added since
     grid = {"designs": designs, "lengths": sorted(set(args.lengths)), "fillers": list(dict.fromkeys(args.fillers)),
             "depths": list(dict.fromkeys(args.depths)), "trials": args.trials, "long_trials": args.long_trials,
             "long_length": args.long_length, "loss": args.loss,

@@ -19,9 +19,31 @@ The weights come from the model's own attention: an attention function registere
 `AttentionInterface` computes each layer's output as SDPA does and, beside it, the weights of the answer's queries
 only (the full weights of 30 layers at 4K tokens would take gigabytes).
 
+A head that reads the key is not the same as a layer that needs a far part: on SmolLM2-135M, a layout with block
+retrieval in only the six layers whose heads read the key most (7, 14, 18, 20, 21, 23) misses pass keys that block
+retrieval in every layer finds (benchmarks/pretrained_long_context.py, `block_bounded` against `block_fixed`). The
+second score, `far_part_attributions`, asks the converted
+model itself what each far part is worth to the answer (DuoAttention's question, answered without optimising gates):
+
+- the model is a conversion whose layers all have a far part (e.g. `block_window` everywhere); each far part's mass
+  in each head is scaled by a gate α (its log-scale plus log α, so α = 0 is the window-only layer exactly and
+  α = 1 the model as converted);
+- on the same calibration prompts, the answer's teacher-forced NLL is differentiated with respect to every gate at
+  α = s for all gates together, s at the midpoints of `steps` equal intervals of (0, 1]; a head's score is the
+  integrated gradient (arXiv 1703.01365), the mean over s of -∂NLL/∂α: how much of the fall in the answer's NLL from
+  window-only to all-far that head's far part carries, the others moving with it; a layer's score sums its heads;
+- the far parts run without gradients (their outputs enter as constants; the gate's gradient still flows through
+  every near part, norm and feed-forward after it): the gathered keys of block retrieval at 4K tokens would need tens
+  of gigabytes for a backward pass, and what is measured is the far part's output, not how it moves with its inputs.
+
+On SmolLM2-135M (4K prompts, 4 of them, 4 steps) the attribution's top six differ from the attention's in one layer:
+4 for 7, whose far part lowers the answer's likelihood (the benchmark's `block_attributed`).
+
     python -m attnzoo.evaluation.retrieval_layers SOURCE --length 4096 --min_distance 1024 --top 6
-prints the scores and the `attn_layers=[...]` and `far_positions=[...]` of a layout with a far part in the top layers
-only, for `python -m attnzoo.convert.llama ... --family hybrid --model "attn_layers=[...]" "far_positions=[...]" ...`.
+    python -m attnzoo.evaluation.retrieval_layers CONVERTED --method attribution --length 4096 --top 7
+(CONVERTED: a conversion with a far part in every layer) print the scores and the `attn_layers=[...]` and
+`far_positions=[...]` of a layout with a far part in the top layers only, for `python -m attnzoo.convert.llama ...
+--family hybrid --model "attn_layers=[...]" "far_positions=[...]" ...`.
 """
 
 from __future__ import annotations
@@ -29,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -63,36 +86,51 @@ def calibration_depths(prompts: int) -> list[float]:
     return [(i + 0.5) / prompts for i in range(prompts)]
 
 
+def check_calibration_length(model, length) -> None:
+    native = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(length, int) and native is not None and length > native:
+        raise ValueError(f"length={length} is past the model's training length ({native}): calibrate inside it, "
+                         "where its attention is what training made it; pass --length <= that.")
+
+
+def calibration_prompts(tokenizer, *, length: int, min_distance: int, prompts: int, seed: int, digits: int = 5,
+                        filler: str = "repeat") -> list:
+    """The calibration's pass-key prompts (`attnzoo.evaluation.passkey.PasskeyPrompt`): `length` tokens each, the key
+    line ending at least `min_distance` tokens before the question, at `calibration_depths(prompts)` of the room
+    before that limit, prompt i's key drawn from seed * 100003 + i."""
+    from attnzoo.evaluation.passkey import passkey_prompt
+
+    for name, value in (("length", length), ("min_distance", min_distance), ("prompts", prompts)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a positive integer.")
+    first = passkey_prompt(tokenizer, length, 0.0, seed, digits=digits, filler=filler)
+    room = first.filler_tokens - min_distance  # filler tokens that may go before the key line
+    if room < 1:
+        raise ValueError(f"min_distance={min_distance} leaves no room for the key line in a {length}-token prompt "
+                         f"({first.filler_tokens} filler tokens); pass a smaller --min_distance or a longer --length.")
+    return [passkey_prompt(tokenizer, length, fraction * room / first.filler_tokens, seed * 100_003 + index,
+                           digits=digits, filler=filler)
+            for index, fraction in enumerate(calibration_depths(prompts))]
+
+
 def retrieval_scores(model, tokenizer, *, length: int, min_distance: int, prompts: int = 8, seed: int = 0,
                      digits: int = 5, filler: str = "repeat") -> dict:
     """{"layer_scores": [num_layers], "head_scores": [num_layers][heads], "prompts": [...]} for a transformers
     causal LM whose layers use transformers' attention interface (a Llama, ...). See the module docstring."""
     from transformers import AttentionInterface
 
-    from attnzoo.evaluation.passkey import passkey_prompt
     from attnzoo.transformers_compat import attention_implementation
 
-    for name, value in (("length", length), ("min_distance", min_distance), ("prompts", prompts)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: give a positive integer.")
-    native = getattr(model.config, "max_position_embeddings", None)
-    if native is not None and length > native:
-        raise ValueError(f"length={length} is past the model's training length ({native}): calibrate inside it, "
-                         "where its attention is what training made it; pass --length <= that.")
-    first = passkey_prompt(tokenizer, length, 0.0, seed, digits=digits, filler=filler)
-    room = first.filler_tokens - min_distance  # filler tokens that may go before the key line
-    if room < 1:
-        raise ValueError(f"min_distance={min_distance} leaves no room for the key line in a {length}-token prompt "
-                         f"({first.filler_tokens} filler tokens); pass a smaller --min_distance or a longer --length.")
+    check_calibration_length(model, length)
+    calibration = calibration_prompts(tokenizer, length=length, min_distance=min_distance, prompts=prompts, seed=seed,
+                                      digits=digits, filler=filler)
     AttentionInterface.register(PROBE, _probe_attention)
     previous = attention_implementation(model)
     model.set_attn_implementation(PROBE)
     layers = model.config.num_hidden_layers
     per_prompt, head_sums = [], None
     try:
-        for index, fraction in enumerate(calibration_depths(prompts)):
-            depth = fraction * room / first.filler_tokens
-            prompt = passkey_prompt(tokenizer, length, depth, seed * 100_003 + index, digits=digits, filler=filler)
+        for prompt in calibration:
             ids = prompt.input_ids + prompt.answer_ids
             _RECORD.update(layers={}, span=(prompt.key_position, prompt.key_end),
                            rows=list(range(len(prompt.input_ids) - 1, len(ids) - 1)))
@@ -108,9 +146,92 @@ def retrieval_scores(model, tokenizer, *, length: int, min_distance: int, prompt
         _RECORD.clear()
     heads = head_sums / prompts
     layer_scores = [sum(p["layer_scores"][i] for p in per_prompt) / prompts for i in range(layers)]
-    return {"layer_scores": layer_scores, "head_scores": heads.tolist(), "prompts": per_prompt,
+    return {"layer_scores": layer_scores, "head_scores": heads.tolist(), "prompts": per_prompt, "method": "attention",
             "settings": {"length": length, "min_distance": min_distance, "prompts": prompts, "seed": seed,
                          "digits": digits, "filler": filler}}
+
+
+def far_layers(model) -> dict[int, torch.nn.Module]:
+    """{layer index: its windowed attention} for every layer of a zoo model whose attention has a far part."""
+    from attnzoo.modeling.attention.windowed import WindowedAttention
+
+    return {m.layer_idx: m for m in model.modules() if isinstance(m, WindowedAttention) and m.far is not None}
+
+
+@contextmanager
+def gated_far_parts(layers: dict[int, torch.nn.Module], log_gates: dict[int, torch.Tensor]):
+    """Within the block, layer i's far part (parallel form) runs without gradients and its mass in head h is scaled
+    by exp(log_gates[i][h]): its log-scale plus the gate, the near part and the merge unchanged."""
+    patched = []
+    try:
+        for index, layer in layers.items():
+            far, gate = layer.far, log_gates[index]
+
+            def parallel(x, original=far.parallel, gate=gate):
+                with torch.no_grad():
+                    out = original(x)
+                return out._replace(log_scale=out.log_scale + gate.to(out.log_scale.dtype)[None, :, None])
+
+            far.parallel = parallel  # an instance attribute over the class's method, deleted after
+            patched.append(far)
+        yield
+    finally:
+        for far in patched:
+            del far.parallel
+
+
+def far_part_attributions(model, tokenizer, *, length: int, min_distance: int, prompts: int = 4, steps: int = 4,
+                          seed: int = 0, digits: int = 5, filler: str = "repeat") -> dict:
+    """{"layer_scores": [num_layers] (0 where a layer has no far part), "head_scores": [num_layers][heads],
+    "far_layers": [...], "prompts": [...], "settings": {...}} for a zoo causal LM (a conversion) with far parts:
+    each far part's integrated-gradient share of the answer's NLL (the module docstring)."""
+    check_calibration_length(model, length)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: give a positive number of gate values to integrate over.")
+    layers = far_layers(model)
+    if not layers:
+        raise ValueError(f"the model ({type(model).__name__}) has no layer with a far part; attribute the far parts "
+                         "of a conversion with one in every layer (e.g. attn_layers=[block_window]).")
+    calibration = calibration_prompts(tokenizer, length=length, min_distance=min_distance, prompts=prompts, seed=seed,
+                                      digits=digits, filler=filler)
+    heads = model.config.num_attention_heads
+    log_gates = {i: torch.zeros(heads, dtype=torch.float64, requires_grad=True) for i in layers}
+    gate_values = [(j + 0.5) / steps for j in range(steps)]
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    totals = torch.zeros(model.config.num_hidden_layers, heads, dtype=torch.float64)
+    per_prompt = []
+    try:
+        with gated_far_parts(layers, log_gates), torch.enable_grad():
+            for prompt in calibration:
+                ids = torch.tensor([prompt.input_ids + prompt.answer_ids], device=model.device)
+                answer = ids[0, len(prompt.input_ids):]
+                share, nll_at = torch.zeros_like(totals), []
+                for value in gate_values:
+                    for gate in log_gates.values():
+                        gate.data.fill_(math.log(value))
+                        gate.grad = None
+                    logits = model(ids, use_cache=False, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
+                    nll = torch.nn.functional.cross_entropy(logits, answer, reduction="sum")
+                    nll.backward()
+                    for i, gate in log_gates.items():  # d/dα = d/d(log α) / α
+                        share[i] -= gate.grad / value / steps
+                    nll_at.append(float(nll.detach()))
+                totals += share
+                per_prompt.append({"passkey": prompt.passkey, "key_position": prompt.key_position,
+                                   "distance": len(prompt.input_ids) - prompt.key_end,
+                                   "answer_nll_by_gate": dict(zip((f"{v:g}" for v in gate_values), nll_at,
+                                                                  strict=True)),
+                                   "layer_scores": share.sum(-1).tolist()})
+    finally:
+        for p, wanted in frozen:
+            p.requires_grad_(wanted)
+    head_scores = totals / len(calibration)
+    return {"layer_scores": head_scores.sum(-1).tolist(), "head_scores": head_scores.tolist(),
+            "far_layers": sorted(layers), "prompts": per_prompt, "method": "attribution",
+            "settings": {"length": length, "min_distance": min_distance, "prompts": prompts, "steps": steps,
+                         "seed": seed, "digits": digits, "filler": filler}}
 
 
 def top_layers(layer_scores: list[float], top: int) -> list[int]:
@@ -138,11 +259,18 @@ def layout(num_layers: int, far_layers: list[int], far_kind: str = "block_window
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="a causal LM: a saved folder, a Hub id, or a GGUF file or folder")
+    p.add_argument("source", help="a causal LM: a saved folder, a Hub id, or a GGUF file or folder (--method "
+                                  "attention); a zoo conversion with a far part in its layers (--method attribution)")
+    p.add_argument("--method", default="attention", choices=("attention", "attribution"),
+                   help="attention: the source's heads' weights on the key line; attribution: each far part's "
+                        "integrated-gradient share of the answer's likelihood in the conversion (module docstring)")
+    p.add_argument("--steps", type=int, default=4, help="gate values the attribution integrates over")
     p.add_argument("--length", type=int, default=4096, help="calibration prompt tokens (inside the training length)")
     p.add_argument("--min_distance", type=int, default=1024,
                    help="the key line ends at least this many tokens before the question (the window size)")
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=None, help="calibration prompts (default: 8 for attention, 4 for "
+                                                                 "attribution, whose prompts cost a backward pass "
+                                                                 "per step)")
     p.add_argument("--top", type=int, default=6, help="layers that keep a far part")
     p.add_argument("--far_kind", default="block_window", help="the attention of those layers")
     p.add_argument("--far_positions", default="fixed", help="the far positions of those layers")
@@ -153,12 +281,19 @@ def main(argv=None) -> dict:
     if args.output is not None and args.output.exists():
         raise SystemExit(f"--output {args.output} exists; name a new file (nothing is overwritten).")
     from attnzoo.convert.common import load_text_tokenizer
-    from attnzoo.convert.llama import load_source
 
-    model = load_source(args.source).eval()
-    result = retrieval_scores(model, load_text_tokenizer(args.source), length=args.length,
-                              min_distance=args.min_distance, prompts=args.prompts, seed=args.seed,
-                              filler=args.filler)
+    settings = dict(length=args.length, min_distance=args.min_distance, seed=args.seed, filler=args.filler)
+    if args.method == "attribution":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.source).eval()
+        result = far_part_attributions(model, load_text_tokenizer(args.source), prompts=args.prompts or 4,
+                                       steps=args.steps, **settings)
+    else:
+        from attnzoo.convert.llama import load_source
+
+        model = load_source(args.source).eval()
+        result = retrieval_scores(model, load_text_tokenizer(args.source), prompts=args.prompts or 8, **settings)
     chosen = top_layers(result["layer_scores"], args.top)
     result.update(top=chosen, **layout(len(result["layer_scores"]), chosen, args.far_kind,
                                        far_positions=args.far_positions))

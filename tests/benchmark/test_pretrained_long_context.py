@@ -19,7 +19,8 @@ bench = load_module(ROOT / "benchmarks", "pretrained_long_context")
 SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--lsh_chunk_length", "16",
          "--lsh_num_hashes", "2", "--far_position_group", "4", "--threads", "1", "--lengths", "320",
          "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
-         "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4"]
+         "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
+         "--attributed_top", "1", "--attribution_prompts", "1", "--attribution_steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,10 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert len(saved["calibration"]["block_bounded"]["layer_scores"]) == 1
     bounded = json.loads(next((tmp_path / "models").glob("block_bounded-*/config.json")).read_text())
     assert bounded["attn_layers"] == ["block_window"]
+    # block_attributed: calibrated on block_fixed's own far parts (their attributions, one per layer)
+    attributed = json.loads(next((tmp_path / "models").glob("block_attributed-*/calibration.json")).read_text())
+    assert attributed["method"] == "attribution" and attributed["far_layers"] == [0] and attributed["top"] == [0]
+    assert saved["calibration"]["block_attributed"]["settings"]["steps"] == 2
     entry = saved["summary"]["window/320"]
     assert entry["cells"] == 1 and entry["cells_missing"] == 0
     assert entry["passkey"]["repeat"]["accuracy"] == float(rows["window"]["correct"])
@@ -96,7 +101,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
-    assert [m.split("-")[0] for m in models] == ["block_bounded", "block_fixed", "lsh_fixed", "lsh_grouped", "window"]
+    assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "lsh_fixed",
+                                                 "lsh_grouped", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}
@@ -111,6 +117,23 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     run(tmp_path, source, "--designs", "source", "--remeasure")
     assert [(j["design"], bool(j.get("loss"))) for j in measured] == [("source", False), ("source", True)]
     assert len(json.loads((tmp_path / "plc.json").read_text())["rows"]) == len(bench.DESIGN_NAMES) + 1
+
+
+def test_a_design_added_since_keeps_the_report_and_a_changed_one_goes_beside(tmp_path, source, measured):
+    """A report from before a design existed (no rows of it, its setup without it) is the same setup with the design
+    added: a run extends it in place. A design's settings changed are another setup: that report goes beside."""
+    run(tmp_path, source, "--designs", "window")
+    target = tmp_path / "plc.json"
+    earlier = json.loads(target.read_text())
+    del earlier["setup"]["designs"]["block_attributed"]  # as written before block_attributed was a design
+    target.write_text(json.dumps(earlier))
+    measured.clear()
+    report = run(tmp_path, source, "--designs", "window", "--depths", "0.5", "1")
+    assert [(j["design"], j["depth"]) for j in measured] == [("window", 1.0)]  # the stored cell was kept
+    assert "block_attributed" in json.loads(target.read_text())["setup"]["designs"] and len(report["rows"]) == 2
+    assert list(tmp_path.glob("plc-*.json")) == []
+    run(tmp_path, source, "--designs", "window", "--window_size", "48")
+    assert len(json.loads(target.read_text())["rows"]) == 2 and len(list(tmp_path.glob("plc-*.json"))) == 1
 
 
 def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_are_costed(tmp_path, source):

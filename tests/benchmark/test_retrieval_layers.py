@@ -6,6 +6,7 @@ themselves."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -105,3 +106,86 @@ def test_bad_calibrations_name_the_argument(tiny, kwargs, says):
         rl.top_layers([0.1, 0.2, 0.3], 4)
     with pytest.raises(ValueError, match="far layers"):
         rl.layout(3, [3])
+
+
+# -- far-part attributions: the conversion's own far parts, gated ---------------------------------------------------
+FAR = {"window_size": 64, "num_sink_tokens": 4, "far_positions": ["fixed"], "block_size": 16, "block_topk": 2}
+
+
+def converted(folder, family="hybrid", **settings):
+    from attnzoo.convert.llama import convert, load_source
+
+    near = {k: settings.pop(k, FAR[k]) for k in ("window_size", "num_sink_tokens")}
+    model = convert(load_source(str(folder)), family, {**FAR, **near, **settings} if family == "hybrid" else near)
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    folder = save_tiny_llama(tmp_path_factory.mktemp("one") / "llama", layers=1, positions=512)
+    return folder, AutoTokenizer.from_pretrained(folder)
+
+
+def answer_nll(model, prompt) -> float:
+    ids = torch.tensor([prompt.input_ids + prompt.answer_ids])
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[0, len(prompt.input_ids) - 1:-1]
+    return float(torch.nn.functional.cross_entropy(logits, ids[0, len(prompt.input_ids):], reduction="sum"))
+
+
+def test_a_closed_gate_is_the_window_only_layer_and_an_open_one_the_model(one_layer):
+    folder, tokenizer = one_layer
+    model, window = converted(folder, attn_layers=["block_window"]), converted(folder, "window")
+    ids = torch.tensor([[i % 250 + 3 for i in range(300)]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        layers = rl.far_layers(model)
+        assert list(layers) == [0] and rl.far_layers(window) == {}
+        with rl.gated_far_parts(layers, {0: torch.zeros(4, dtype=torch.float64)}):
+            torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+        with rl.gated_far_parts(layers, {0: torch.full((4,), -math.inf, dtype=torch.float64)}):
+            torch.testing.assert_close(model(ids).logits, window(ids).logits, rtol=1e-10, atol=1e-10)
+        assert "parallel" not in vars(layers[0].far)  # the class's own form again
+        torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)
+
+
+def test_the_attributions_add_up_to_the_window_to_far_fall_of_the_answers_nll(one_layer):
+    """One layer: nothing before its far part is gated, so the gradient is exact, and the integrated gradients of its
+    heads sum to NLL(window only) - NLL(as converted) up to the midpoint rule's error (shrinking with the steps)."""
+    folder, tokenizer = one_layer
+    near = {"window_size": 16, "num_sink_tokens": 1}  # a short window: most of the answer's attention is far
+    model = converted(folder, attn_layers=["block_window"], block_size=8, block_topk=8, **near)
+    window = converted(folder, "window", **near)
+    settings = dict(length=400, min_distance=100, prompts=2, seed=3)
+    prompts = rl.calibration_prompts(tokenizer, **settings)
+    fall = sum(answer_nll(window, p) - answer_nll(model, p) for p in prompts) / len(prompts)
+    errors = []
+    for steps in (4, 32):
+        result = rl.far_part_attributions(model, tokenizer, steps=steps, **settings)
+        assert result["far_layers"] == [0] and len(result["head_scores"][0]) == 4
+        assert result["layer_scores"][0] == pytest.approx(sum(result["head_scores"][0]))
+        errors.append(abs(result["layer_scores"][0] - fall))
+    assert abs(fall) > 0.005  # the far part moves this (random) model's answer: the check can fail
+    assert errors[1] < 0.01 * abs(fall) and errors[1] < errors[0]
+    assert all(p.requires_grad for p in model.parameters())  # the model is left trainable, as it was
+    assert "parallel" not in vars(rl.far_layers(model)[0].far)
+
+
+def test_attributions_rank_the_far_layers_and_the_cli_makes_their_layout(tiny, tmp_path):
+    folder, _, tokenizer = tiny
+    from attnzoo.convert.common import load_text_tokenizer, save_converted
+
+    target = save_converted(converted(folder, attn_layers=["block_window"]).float(), tmp_path / "far",
+                            [load_text_tokenizer(str(folder))])
+    out = tmp_path / "attributions.json"
+    result = rl.main([str(target), "--method", "attribution", "--length", "400", "--min_distance", "100",
+                      "--prompts", "1", "--steps", "2", "--top", "2", "--output", str(out)])
+    assert result["method"] == "attribution" and result["far_layers"] == [0, 1, 2]
+    assert result["top"] == rl.top_layers(result["layer_scores"], 2)
+    assert result["attn_layers"].count("block_window") == 2
+    assert json.loads(out.read_text())["top"] == result["top"]
+    with pytest.raises(ValueError, match="no layer with a far part"):
+        rl.far_part_attributions(converted(folder, "window"), tokenizer, length=400, min_distance=100)
+    with pytest.raises(ValueError, match="steps=0"):
+        rl.far_part_attributions(converted(folder, attn_layers=["block_window"]), tokenizer, length=400,
+                                 min_distance=100, steps=0)

@@ -22,8 +22,8 @@ only (the full weights of 30 layers at 4K tokens would take gigabytes).
 A head that reads the key is not the same as a layer that needs a far part: on SmolLM2-135M, a layout with block
 retrieval in only the six layers whose heads read the key most (7, 14, 18, 20, 21, 23) misses pass keys that block
 retrieval in every layer finds (benchmarks/pretrained_long_context.py, `block_bounded` against `block_fixed`). The
-second score, `far_part_attributions`, asks the converted
-model itself what each far part is worth to the answer (DuoAttention's question, answered without optimising gates):
+second score, `far_part_attributions`, asks the converted model itself what each far part is worth to the answer
+(DuoAttention's question, answered without optimising gates):
 
 - the model is a conversion whose layers all have a far part (e.g. `block_window` everywhere); each far part's mass
   in each head is scaled by a gate α (its log-scale plus log α, so α = 0 is the window-only layer exactly and
@@ -209,9 +209,10 @@ def far_part_attributions(model, tokenizer, *, length: int, min_distance: int, p
                 answer = ids[0, len(prompt.input_ids):]
                 share, nll_at = torch.zeros_like(totals), []
                 for value in gate_values:
-                    for gate in log_gates.values():
-                        gate.data.fill_(math.log(value))
-                        gate.grad = None
+                    with torch.no_grad():
+                        for gate in log_gates.values():
+                            gate.fill_(math.log(value))
+                            gate.grad = None
                     logits = model(ids, use_cache=False, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
                     nll = torch.nn.functional.cross_entropy(logits, answer, reduction="sum")
                     nll.backward()
@@ -230,6 +231,8 @@ def far_part_attributions(model, tokenizer, *, length: int, min_distance: int, p
     head_scores = totals / len(calibration)
     return {"layer_scores": head_scores.sum(-1).tolist(), "head_scores": head_scores.tolist(),
             "far_layers": sorted(layers), "prompts": per_prompt, "method": "attribution",
+            "far_kinds": {i: layers[i].name for i in sorted(layers)},
+            "far_positions_by_layer": {i: layers[i].far_positions for i in sorted(layers)},
             "settings": {"length": length, "min_distance": min_distance, "prompts": prompts, "steps": steps,
                          "seed": seed, "digits": digits, "filler": filler}}
 
@@ -256,6 +259,16 @@ def layout(num_layers: int, far_layers: list[int], far_kind: str = "block_window
             "far_positions": [far_positions if i in far else "rotary" for i in range(num_layers)]}
 
 
+def own_setting(result: dict, field: str, chosen: list[int], flag: str) -> str:
+    """The conversion's own setting (result[field], per far layer) shared by the chosen layers; ValueError naming
+    `flag` when they differ or a chosen layer has no far part."""
+    values = {result[field].get(i) for i in chosen}
+    if len(values) != 1 or None in values:
+        raise ValueError(f"the chosen layers {chosen} do not share one far part setting ({field}: "
+                         f"{ {i: result[field].get(i) for i in chosen} }); pass {flag} for the layout.")
+    return values.pop()
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,8 +285,12 @@ def main(argv=None) -> dict:
                                                                  "attribution, whose prompts cost a backward pass "
                                                                  "per step)")
     p.add_argument("--top", type=int, default=6, help="layers that keep a far part")
-    p.add_argument("--far_kind", default="block_window", help="the attention of those layers")
-    p.add_argument("--far_positions", default="fixed", help="the far positions of those layers")
+    p.add_argument("--far_kind", default=None,
+                   help="the attention of those layers (default: block_window with --method attention, the "
+                        "conversion's own with --method attribution)")
+    p.add_argument("--far_positions", default=None,
+                   help="the far positions of those layers (default: fixed with --method attention, the "
+                        "conversion's own with --method attribution)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--filler", default="repeat", help="attnzoo.evaluation.passkey's filler")
     p.add_argument("--output", type=Path, default=None, help="also write the scores as JSON here (a new file)")
@@ -295,8 +312,12 @@ def main(argv=None) -> dict:
         model = load_source(args.source).eval()
         result = retrieval_scores(model, load_text_tokenizer(args.source), prompts=args.prompts or 8, **settings)
     chosen = top_layers(result["layer_scores"], args.top)
-    result.update(top=chosen, **layout(len(result["layer_scores"]), chosen, args.far_kind,
-                                       far_positions=args.far_positions))
+    far_kind, far_positions = args.far_kind or "block_window", args.far_positions or "fixed"
+    if args.method == "attribution":
+        far_kind, far_positions = (flag or own_setting(result, field, chosen, name) for flag, field, name in (
+            (args.far_kind, "far_kinds", "--far_kind"), (args.far_positions, "far_positions_by_layer",
+                                                         "--far_positions")))
+    result.update(top=chosen, **layout(len(result["layer_scores"]), chosen, far_kind, far_positions=far_positions))
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(" ".join(f"{i}:{s:.3f}" for i, s in enumerate(result["layer_scores"])))

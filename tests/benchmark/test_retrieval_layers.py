@@ -189,3 +189,27 @@ def test_attributions_rank_the_far_layers_and_the_cli_makes_their_layout(tiny, t
     with pytest.raises(ValueError, match="steps=0"):
         rl.far_part_attributions(converted(folder, attn_layers=["block_window"]), tokenizer, length=400,
                                  min_distance=100, steps=0)
+
+
+def test_the_cli_lays_out_the_conversions_own_far_part_unless_told(tiny, tmp_path):
+    """An LSH conversion's attribution layout keeps lsh_window and its far positions (not the attention method's
+    block_window / fixed defaults); layers that differ ask for the flag."""
+    folder, _, _ = tiny
+    from attnzoo.convert.common import load_text_tokenizer, save_converted
+
+    lsh = {"lsh_shared_qk": False, "lsh_num_hashes": 2, "lsh_chunk_length": 16, "far_positions": ["none"]}
+    target = save_converted(converted(folder, attn_layers=["lsh_window"], **lsh).float(), tmp_path / "lsh",
+                            [load_text_tokenizer(str(folder))])
+    flags = ["--method", "attribution", "--length", "400", "--min_distance", "100", "--prompts", "1", "--steps", "1",
+             "--top", "2"]
+    result = rl.main([str(target), *flags])
+    assert result["attn_layers"].count("lsh_window") == 2 and "block_window" not in result["attn_layers"]
+    assert [result["far_positions"][i] for i in result["top"]] == ["none", "none"]
+    told = rl.main([str(target), *flags, "--far_positions", "fixed"])
+    assert [told["far_positions"][i] for i in told["top"]] == ["fixed", "fixed"]
+    mixed = save_converted(converted(folder, attn_layers=["lsh_window", "block_window", "lsh_window"], **lsh,
+                                     block_size=16, block_topk=2).float(), tmp_path / "mixed",
+                           [load_text_tokenizer(str(folder))])
+    with pytest.raises(ValueError, match="--far_kind"):
+        rl.main([str(mixed), *flags, "--top", "3"])
+    assert rl.main([str(mixed), *flags, "--top", "3", "--far_kind", "lsh_window"])["attn_layers"] == ["lsh_window"] * 3

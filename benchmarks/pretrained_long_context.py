@@ -32,6 +32,13 @@ Designs (each a named conversion of the source, converted once into --models_dir
   NLL with respect to a gate on each layer's far mass, on --attribution_prompts prompts of --calibration_length
   tokens, --attribution_steps gate values; no training). A layer whose heads read the key is not always one whose far
   part the answer needs: on SmolLM2 the two choices differ in a layer, and `block_bounded`'s choice misses keys;
+- `block_heads`: the same calibration, the far part kept in the --attributed_kv_heads key-value heads (of all
+  layers) whose far parts the answer needs most (a key-value head's score: the sum of its query heads'), window +
+  sinks in every other head (`far_kv_heads`, DuoAttention's retrieval heads). The default, 21 of SmolLM2's 90, keeps
+  as many far keys as `block_attributed`'s 7 layers: on SmolLM2 the attribution is spread over more layers than 7
+  but concentrated in a few heads of each (the report's calibration gives each design's `positive_share`, the part
+  of the positive attribution its heads carry), and at 32K the 7 layers miss keys 24K tokens back that block
+  retrieval in every layer finds;
 - `lsh_fixed` / `lsh_grouped`: the exact window plus LSH's far part with separate queries and keys
   (`attn_layers=[lsh_window]`, `lsh_shared_qk=false`, --lsh_num_hashes, --lsh_chunk_length), its far keys at the
   fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group).
@@ -113,7 +120,7 @@ MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-conte
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded",
-                "block_attributed", "lsh_fixed", "lsh_grouped")
+                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -173,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attributed_top", type=int, default=7,
                    help="layers of block_attributed that keep the far part (7 of SmolLM2's 30 keep the decoding "
                         "state at 32K under 0.3x the source's KV cache)")
+    p.add_argument("--attributed_kv_heads", type=int, default=21,
+                   help="key-value heads (of all layers) of block_heads that keep the far part")
     p.add_argument("--attribution_prompts", type=int, default=4,
                    help="calibration prompts of block_attributed (each costs a forward and backward per step)")
     p.add_argument("--attribution_steps", type=int, default=4, help="gate values block_attributed integrates over")
@@ -215,8 +224,8 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
-                "block_query_size", "retrieval_top", "attributed_top", "attribution_prompts", "attribution_steps",
-                "calibration_length", "calibration_prompts", "lsh_num_hashes",
+                "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads", "attribution_prompts",
+                "attribution_steps", "calibration_length", "calibration_prompts", "lsh_num_hashes",
                 "lsh_chunk_length", "far_position_group", "threads", "ruler_samples", "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
@@ -285,6 +294,10 @@ def design_specs(args) -> dict[str, dict]:
     window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens,
               "sink_positions": args.sink_positions}
     block = {"block_size": args.block_size, "block_topk": args.block_topk, "block_query_size": args.block_query_size}
+    # block_attributed's and block_heads' calibration: block_fixed's far parts, attributed (the same scores)
+    attribution = {"method": "attribution", "of": "block_fixed", "far_kind": "block_window", "far_positions": "fixed",
+                   "length": args.calibration_length, "min_distance": args.calibration_distance or args.window_size,
+                   "prompts": args.attribution_prompts, "steps": args.attribution_steps, "seed": args.seed}
     lsh = {**window, "attn_layers": ["lsh_window"], "lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
            "lsh_chunk_length": args.lsh_chunk_length}
     return {
@@ -301,12 +314,9 @@ def design_specs(args) -> dict[str, dict]:
                                                "min_distance": args.calibration_distance or args.window_size,
                                                "prompts": args.calibration_prompts, "seed": args.seed}},
         "block_attributed": {"family": "hybrid", "model": {**window, **block},
-                             "retrieval_layers": {"method": "attribution", "of": "block_fixed",
-                                                  "top": args.attributed_top, "far_kind": "block_window",
-                                                  "far_positions": "fixed", "length": args.calibration_length,
-                                                  "min_distance": args.calibration_distance or args.window_size,
-                                                  "prompts": args.attribution_prompts,
-                                                  "steps": args.attribution_steps, "seed": args.seed}},
+                             "retrieval_layers": {**attribution, "top": args.attributed_top}},
+        "block_heads": {"family": "hybrid", "model": {**window, **block},
+                        "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads}},
         "lsh_fixed": {"family": "hybrid", "model": {**lsh, "far_positions": ["fixed"]}},
         "lsh_grouped": {"family": "hybrid", "model": {**lsh, "far_positions": ["grouped"],
                                                       "far_position_group": args.far_position_group}},
@@ -371,7 +381,7 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
             if "retrieval_layers" in spec:
                 settings = spec["retrieval_layers"]
                 calibration = calibrated_layout(source, source_dir, settings,
-                                                folders.get(settings.get("of")))
+                                                folders.get(settings.get("of")), args.models_dir)
                 model_settings.update(calibration["layout"])
             print(f"converting {name} into {target} (once): --family {spec['family']} --model {model_settings}",
                   flush=True)
@@ -384,31 +394,91 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
     return {name: folders[name] for name in designs}
 
 
-def calibrated_layout(source, source_dir: str, settings: dict, converted: str | None = None) -> dict:
+#: the settings of a calibrated design that choose among the scores, not what they are
+CHOICE_SETTINGS = ("top", "kv_heads", "far_kind", "far_positions")
+
+
+def calibrated_layout(source, source_dir: str, settings: dict, converted: str | None = None,
+                      models_dir: Path | None = None) -> dict:
     """The calibration's record: the layout (attn_layers with settings["far_kind"] and settings["far_positions"] in
-    the settings["top"] layers, `window` elsewhere; attnzoo.evaluation.retrieval_layers), the scores, the seconds it
-    took. The layers are the source's retrieval layers, or with settings["method"] == "attribution" the layers whose
-    far parts the answer needs most in the conversion at `converted` (a folder)."""
+    the settings["top"] layers, `window` elsewhere; or, with settings["kv_heads"], in the layers of the top key-value
+    heads, kept there in those heads alone by `far_kv_heads`; attnzoo.evaluation.retrieval_layers), the scores, the
+    seconds they took. The layers are the source's retrieval layers, or with settings["method"] == "attribution" the
+    layers whose far parts the answer needs most in the conversion at `converted` (a folder). Scores of the same
+    calibration (the settings but the choice, on the same conversion) that another design's model in `models_dir`
+    recorded are reused: the attribution costs minutes per prompt."""
     from attnzoo.convert.common import load_text_tokenizer
-    from attnzoo.evaluation.retrieval_layers import far_part_attributions, layout, retrieval_scores, top_layers
+    from attnzoo.evaluation.retrieval_layers import (
+        far_part_attributions,
+        head_layout,
+        kv_head_scores,
+        layout,
+        retrieval_scores,
+        top_kv_heads,
+        top_layers,
+    )
 
     started = time.perf_counter()
-    common = dict(length=settings["length"], min_distance=settings["min_distance"], prompts=settings["prompts"],
-                  seed=settings["seed"])
-    if settings.get("method") == "attribution":
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
-        scores = far_part_attributions(model, load_text_tokenizer(converted), steps=settings["steps"], **common)
-        del model
+    scores_key = digest([Path(converted).name if converted else Path(source_dir).name,
+                         {k: v for k, v in settings.items() if k not in CHOICE_SETTINGS}])
+    scores = recorded_scores(models_dir, scores_key) if models_dir is not None else None
+    if scores is not None:
+        print(f"  the calibration's scores, as {scores['reused_from']} recorded them", flush=True)
     else:
-        scores = retrieval_scores(source, load_text_tokenizer(source_dir), **common)
-    chosen = top_layers(scores["layer_scores"], settings["top"])
-    settings_by_layer = layout(len(scores["layer_scores"]), chosen, settings["far_kind"],
-                               far_positions=settings["far_positions"])
-    print(f"  retrieval layers {chosen} ({time.perf_counter() - started:.1f} s)", flush=True)
-    return {**scores, "top": chosen, "layout": settings_by_layer, "seconds": time.perf_counter() - started}
+        common = dict(length=settings["length"], min_distance=settings["min_distance"], prompts=settings["prompts"],
+                      seed=settings["seed"])
+        if settings.get("method") == "attribution":
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+            scores = far_part_attributions(model, load_text_tokenizer(converted), steps=settings["steps"], **common)
+            del model
+        else:
+            scores = retrieval_scores(source, load_text_tokenizer(source_dir), **common)
+        scores["seconds"] = time.perf_counter() - started
+    layers = len(scores["layer_scores"])
+    if "kv_heads" in settings:
+        kv_heads = source.config.num_key_value_heads
+        kv_scores = kv_head_scores(scores["head_scores"], kv_heads, scores.get("method", "attention"))
+        heads_by_layer = top_kv_heads(kv_scores, settings["kv_heads"])
+        chosen = sorted(heads_by_layer)
+        settings_by_layer = head_layout(layers, heads_by_layer, kv_heads, settings["far_kind"],
+                                        far_positions=settings["far_positions"])
+        extra = {"kv_head_scores": kv_scores, "top_kv_heads": {str(i): h for i, h in heads_by_layer.items()}}
+        print(f"  retrieval heads {heads_by_layer}", flush=True)
+    else:
+        chosen = top_layers(scores["layer_scores"], settings["top"])
+        settings_by_layer = layout(layers, chosen, settings["far_kind"], far_positions=settings["far_positions"])
+        extra = {}
+        print(f"  retrieval layers {chosen}", flush=True)
+    return {**scores, **extra, "top": chosen, "layout": settings_by_layer, "scores_key": scores_key}
+
+
+def positive_share(record: dict, kv_heads: int) -> float:
+    """The share of the attribution's positive part (summed over key-value heads, each its query heads' sum) that the
+    key-value heads a calibrated design keeps its far part in carry: every head of its `top` layers, or its
+    `top_kv_heads`."""
+    from attnzoo.evaluation.retrieval_layers import kv_head_scores
+
+    scores = kv_head_scores(record["head_scores"], kv_heads, "attribution")
+    chosen = ({(int(layer), head) for layer, heads in record["top_kv_heads"].items() for head in heads}
+              if "top_kv_heads" in record else {(layer, head) for layer in record["top"] for head in range(kv_heads)})
+    positive = {(layer, head): max(score, 0.0) for layer, row in enumerate(scores) for head, score in enumerate(row)}
+    total = sum(positive.values())
+    return sum(positive[cell] for cell in chosen) / total if total > 0 else 0.0
+
+
+def recorded_scores(models_dir: Path, scores_key: str) -> dict | None:
+    """The scores (and the seconds they took) of a calibration with this key that a design's model in `models_dir`
+    recorded beside it, with `reused_from` naming that folder; None if none did."""
+    for record_path in sorted(Path(models_dir).glob("*/calibration.json")):
+        record = json.loads(record_path.read_text())
+        if record.get("scores_key") == scores_key:
+            kept = {k: v for k, v in record.items()
+                    if k not in ("top", "layout", "kv_head_scores", "top_kv_heads", "scores_key", "reused_from")}
+            return {**kept, "reused_from": record_path.parent.name}
+    return None
 
 
 _LOADED: dict = {"key": None}
@@ -781,8 +851,12 @@ def main(argv=None) -> dict | None:
         calibration = Path(folders[name]) / "calibration.json"
         if calibration.is_file():
             record = json.loads(calibration.read_text())
-            report.setdefault("calibration", {})[name] = {k: record[k] for k in ("top", "layer_scores", "settings",
-                                                                                  "seconds")}
+            entry = {k: record[k] for k in ("top", "top_kv_heads", "layer_scores", "settings", "seconds",
+                                            "reused_from") if k in record}
+            if record.get("method") == "attribution":
+                entry["positive_share"] = positive_share(
+                    record, AutoConfig.from_pretrained(folders[name]).num_key_value_heads)
+            report.setdefault("calibration", {})[name] = entry
     report.update(native_length=native, grid=grid, environment=cpu_environment(),
                   command="python benchmarks/pretrained_long_context.py " + " ".join(
                       str(a) for a in (argv if argv is not None else sys.argv[1:])))

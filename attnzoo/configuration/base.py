@@ -186,6 +186,12 @@ class ZooConfig(PreTrainedConfig):
             ("none", "fixed" or "grouped") with the log of the position: None, "log" (Llama 4's
             1 + 0.1 ln(floor((p + 1) / far_query_scale_length) + 1)) or "learned" (scalable-softmax's s ln(p + 1),
             s per head). See attnzoo/modeling/attention/far_positions.py.
+        far_kv_heads: per layer (a shorter list repeats), the key-value heads of a windowed layer that keep its far
+            part: `None` (the default, and an entry `None`: every head) or a list of key-value head indices; the
+            query heads of the other key-value heads attend to their window and sinks only, and the far part's
+            decoding state holds the listed heads alone (DuoAttention's retrieval and streaming heads, arXiv
+            2410.10819, §3; `attnzoo.evaluation.retrieval_layers` chooses them without training). Only windowed
+            attentions with a far part may list heads; a layer that should keep none is a "window" layer.
         rope_theta / rope_scaling: the rotary base, and its frequency scaling: `None`, or a dict with "rope_type"
             (or "type") one of `ROPE_SCALING_TYPES`: "default", "linear" (with "factor") or "llama3" (with
             "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), as transformers'
@@ -246,6 +252,7 @@ class ZooConfig(PreTrainedConfig):
     far_query_scale: str | None = None
     far_query_scale_length: int = 8192
     far_position_group: int | None = None
+    far_kv_heads: list[list[int] | None] | None = None
 
     image_size: int = 224
     patch_size: int = 16
@@ -284,6 +291,9 @@ class ZooConfig(PreTrainedConfig):
             self.attention_output_bias = self.attention_bias
         if isinstance(self.far_positions, tuple):
             self.far_positions = list(self.far_positions)
+        if isinstance(self.far_kv_heads, list | tuple):
+            self.far_kv_heads = [list(entry) if isinstance(entry, list | tuple) else entry
+                                 for entry in self.far_kv_heads]
         if self.axial_pos_shape is not None:
             self.axial_pos_shape = list(self.axial_pos_shape)
         if self.axial_pos_embds_dim is not None:
@@ -320,6 +330,31 @@ class ZooConfig(PreTrainedConfig):
                                                                     "positions, and no layer has them; list 'grouped' "
                                                                     "in far_positions or set it to None.")
             check_positive_ints(self, ("far_position_group",))
+
+    def _check_far_kv_heads(self) -> None:
+        entries = self.far_kv_heads
+        if entries is None:
+            return
+        heads = self.num_key_value_heads
+        example = f"[None, [0], {list(range(min(heads, 2)))}]"
+        if not isinstance(entries, list) or not entries:
+            fail("far_kv_heads", entries, f"list, per layer, None (every head) or the key-value heads that keep the "
+                                          f"far part, e.g. {example}; or set it to None.")
+        if len(entries) > max(self.num_hidden_layers, self.num_decoder_layers or 0):
+            fail("far_kv_heads", entries, f"it lists {len(entries)} entries for {self.num_hidden_layers} layers; give "
+                                          "at most one per layer.")
+        for layer, entry in enumerate(entries):
+            if entry is None:
+                continue
+            if not isinstance(entry, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in entry):
+                fail("far_kv_heads", entries, f"entry {layer} is {entry!r}; give None or a list of key-value head "
+                                              f"indices, e.g. {example}.")
+            if not entry:
+                fail("far_kv_heads", entries, f"entry {layer} lists no head; a layer without a far part is a 'window' "
+                                              "layer: name it so in attn_layers and give it None here.")
+            if len(set(entry)) != len(entry) or not all(0 <= h < heads for h in entry):
+                fail("far_kv_heads", entries, f"entry {layer} ({entry}) must list distinct key-value heads in 0.."
+                                              f"{heads - 1} (num_key_value_heads={heads}).")
 
     def _fit_layout(self, name: str, depth_name: str) -> list[str]:
         """`attn_layers` (or `decoder_attn_layers`) as a list of at most one kind per layer. A list longer than the
@@ -543,6 +578,7 @@ class ZooConfig(PreTrainedConfig):
                                                             "share the input embedding; set tie_word_embeddings=False.")
         check_choice(self, "position_embedding_type", POSITION_EMBEDDING_TYPES)
         self._check_far_positions()
+        self._check_far_kv_heads()
         if self.position_embedding_type == "axial":
             self._check_axial()
         check_choice(self, "pooling", POOLING_TYPES)
@@ -569,6 +605,15 @@ class ZooConfig(PreTrainedConfig):
         write_remote_code(save_directory, type(self))
         self.auto_map = {**(getattr(self, "auto_map", None) or {}), **auto_map(type(self), [])}
         return super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+
+    def to_diff_dict(self) -> dict:
+        """transformers' saved settings, less `rope_scaling` when it is None (our default): transformers' own config
+        class, which `AutoTokenizer.from_pretrained(folder)` reads a folder's config.json with, takes a saved
+        `rope_scaling` for its deprecated alias of `rope_parameters` and warns (FutureWarning) on every load."""
+        saved = super().to_diff_dict()
+        if saved.get("rope_scaling", False) is None:
+            del saved["rope_scaling"]
+        return saved
 
     # -- derived values ---------------------------------------------------------------------------------------
     @property

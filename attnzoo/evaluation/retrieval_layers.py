@@ -39,10 +39,18 @@ second score, `far_part_attributions`, asks the converted model itself what each
 On SmolLM2-135M (4K prompts, 4 of them, 4 steps) the attribution's top six differ from the attention's in one layer:
 4 for 7, whose far part lowers the answer's likelihood (the benchmark's `block_attributed`).
 
+A layer is a coarse unit: `--kv_heads N` chooses the top N key-value heads of all layers instead (a key-value head
+scores the sum of its query heads' attributions, or the largest of their attention weights) and lays them out with
+the config's `far_kv_heads`, the far part kept in those heads only (DuoAttention's retrieval heads); on SmolLM2 the
+attribution is spread over more layers than the best 7 but concentrated in a few heads of each, and 21 heads (as many
+far keys as 7 layers) carry more of it (the benchmark's `block_heads`).
+
     python -m attnzoo.evaluation.retrieval_layers SOURCE --length 4096 --min_distance 1024 --top 6
     python -m attnzoo.evaluation.retrieval_layers CONVERTED --method attribution --length 4096 --top 7
+    python -m attnzoo.evaluation.retrieval_layers CONVERTED --method attribution --length 4096 --kv_heads 21
 (CONVERTED: a conversion with a far part in every layer) print the scores and the `attn_layers=[...]` and
-`far_positions=[...]` of a layout with a far part in the top layers only, for `python -m attnzoo.convert.llama ...
+`far_positions=[...]` (and with --kv_heads `far_kv_heads=[...]`) of a layout with a far part in the top layers or
+heads only, for `python -m attnzoo.convert.llama ...
 --family hybrid --model "attn_layers=[...]" "far_positions=[...]" ...`.
 """
 
@@ -166,6 +174,8 @@ def gated_far_parts(layers: dict[int, torch.nn.Module], log_gates: dict[int, tor
     try:
         for index, layer in layers.items():
             far, gate = layer.far, log_gates[index]
+            if layer.far_kv_heads is not None:  # the far part runs on the chosen heads only
+                gate = gate[layer.far_head_indices(gate.device)[0]]
 
             def parallel(x, original=far.parallel, gate=gate):
                 with torch.no_grad():
@@ -245,6 +255,41 @@ def top_layers(layer_scores: list[float], top: int) -> list[int]:
     return sorted(ranked[:top])
 
 
+def kv_head_scores(head_scores: list[list[float]], num_kv_heads: int, method: str) -> list[list[float]]:
+    """[layers][num_kv_heads]: each key-value head's score from its query heads' (query head h reads key-value head
+    h // group): their sum for "attribution" (the shares add up), their largest for "attention" (one head that reads
+    the key is enough)."""
+    scores = torch.tensor(head_scores, dtype=torch.float64)
+    if not isinstance(num_kv_heads, int) or num_kv_heads < 1 or scores.shape[-1] % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads!r} does not divide the {scores.shape[-1]} query heads; give the "
+                         "model's num_key_value_heads.")
+    grouped = scores.view(scores.shape[0], num_kv_heads, -1)
+    return (grouped.sum(-1) if method == "attribution" else grouped.amax(-1)).tolist()
+
+
+def top_kv_heads(kv_scores: list[list[float]], top: int) -> dict[int, list[int]]:
+    """{layer: its chosen key-value heads, ascending} for the `top` key-value heads of all layers by score (ties: the
+    earlier layer, then the earlier head), layers in order."""
+    cells = [(layer, head) for layer, row in enumerate(kv_scores) for head in range(len(row))]
+    if not isinstance(top, int) or not 1 <= top <= len(cells):
+        raise ValueError(f"kv_heads={top!r}: give a number of key-value heads from 1 to {len(cells)}.")
+    ranked = sorted(cells, key=lambda c: (-kv_scores[c[0]][c[1]], c))
+    chosen: dict[int, list[int]] = {}
+    for layer, head in sorted(ranked[:top]):
+        chosen.setdefault(layer, []).append(head)
+    return chosen
+
+
+def head_layout(num_layers: int, heads_by_layer: dict[int, list[int]], num_kv_heads: int,
+                far_kind: str = "block_window", near_kind: str = "window", far_positions: str = "fixed") -> dict:
+    """`layout` with a far part in the layers of `heads_by_layer`, kept in their listed key-value heads only:
+    `far_kv_heads` lists them (None where a layer keeps every head, or has no far part)."""
+    result = layout(num_layers, sorted(heads_by_layer), far_kind, near_kind, far_positions)
+    result["far_kv_heads"] = [None if i not in heads_by_layer or len(heads_by_layer[i]) == num_kv_heads
+                              else sorted(heads_by_layer[i]) for i in range(num_layers)]
+    return result
+
+
 def layout(num_layers: int, far_layers: list[int], far_kind: str = "block_window", near_kind: str = "window",
            far_positions: str = "fixed") -> dict[str, list[str]]:
     """A hybrid config's per-layer settings: `attn_layers` with `far_kind` in `far_layers` and `near_kind` (no far
@@ -285,6 +330,10 @@ def main(argv=None) -> dict:
                                                                  "attribution, whose prompts cost a backward pass "
                                                                  "per step)")
     p.add_argument("--top", type=int, default=6, help="layers that keep a far part")
+    p.add_argument("--kv_heads", type=int, default=None,
+                   help="instead of --top layers: the key-value heads (of all layers) that keep a far part, the "
+                        "layout's far_kv_heads (a key-value head scores the sum of its query heads' attributions, "
+                        "or the largest of their attention weights)")
     p.add_argument("--far_kind", default=None,
                    help="the attention of those layers (default: block_window with --method attention, the "
                         "conversion's own with --method attribution)")
@@ -311,18 +360,37 @@ def main(argv=None) -> dict:
 
         model = load_source(args.source).eval()
         result = retrieval_scores(model, load_text_tokenizer(args.source), prompts=args.prompts or 8, **settings)
-    chosen = top_layers(result["layer_scores"], args.top)
+    if args.kv_heads is None:
+        heads_by_layer = None
+        chosen = top_layers(result["layer_scores"], args.top)
+    else:
+        kv_scores = kv_head_scores(result["head_scores"], model.config.num_key_value_heads, args.method)
+        heads_by_layer = top_kv_heads(kv_scores, args.kv_heads)
+        chosen = sorted(heads_by_layer)
+        result["kv_head_scores"] = kv_scores
     far_kind, far_positions = args.far_kind or "block_window", args.far_positions or "fixed"
     if args.method == "attribution":
         far_kind, far_positions = (flag or own_setting(result, field, chosen, name) for flag, field, name in (
             (args.far_kind, "far_kinds", "--far_kind"), (args.far_positions, "far_positions_by_layer",
                                                          "--far_positions")))
-    result.update(top=chosen, **layout(len(result["layer_scores"]), chosen, far_kind, far_positions=far_positions))
+    if heads_by_layer is None:
+        result.update(top=chosen, **layout(len(result["layer_scores"]), chosen, far_kind, far_positions=far_positions))
+    else:
+        result.update(top=chosen, top_kv_heads=heads_by_layer, **head_layout(
+            len(result["layer_scores"]), heads_by_layer, model.config.num_key_value_heads, far_kind,
+            far_positions=far_positions))
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(" ".join(f"{i}:{s:.3f}" for i, s in enumerate(result["layer_scores"])))
-    print(f"top {args.top} layers: {chosen}")
-    print(f'"attn_layers=[{",".join(result["attn_layers"])}]" "far_positions=[{",".join(result["far_positions"])}]"')
+    if heads_by_layer is None:
+        print(f"top {args.top} layers: {chosen}")
+    else:
+        print(f"top {args.kv_heads} key-value heads, by layer: {heads_by_layer}")
+    settings = [f"attn_layers=[{','.join(result['attn_layers'])}]",
+                f"far_positions=[{','.join(result['far_positions'])}]"]
+    if heads_by_layer is not None:
+        settings.append(f"far_kv_heads={json.dumps(result['far_kv_heads']).replace(' ', '')}")
+    print(" ".join(f'"{setting}"' for setting in settings))
     return result
 
 

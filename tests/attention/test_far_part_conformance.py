@@ -20,6 +20,10 @@ CASES = [("window", {}), ("window", {"sink_positions": "adjacent"})] + [
     for settings in [{}, *VARIANTS.get(name, [])]]
 CASES += [(f"{name}_window", {"far_positions": ["none"]}) for name in sorted(FAR_PART_REGISTRY)
           if ATTENTION_REGISTRY[f"{name}_window"].position_free_far_part]
+#: the far part kept in one of the two key-value heads (`far_kv_heads`): built for that head alone, the layer widens
+#: its triple to every query head
+CASES += [(f"{name}_window", {"far_kv_heads": [[1]]}) for name in sorted(FAR_PART_REGISTRY)]
+CASES += [("lsh_window", {"far_kv_heads": [[1]], "lsh_shared_qk": False})]
 #: checks a setting does not promise: LSH's "chunk" candidates are the chunks around a query in the sorted order of
 #: the whole sequence, which a decoding step does not have (only "bucket" decodes as the full forward does;
 #: docs/lsh_attention.md, section 6)
@@ -46,8 +50,8 @@ def test_every_far_part_meets_the_contract(case, check):
 
 def test_every_far_part_loads_from_the_code_its_checkpoint_carries(tmp_path):
     """One process without attnzoo loads every kind's checkpoint (a process per kind would cost 10 s each)."""
-    remote_code_round_trips([("window", {}), *((f"{name}_window", {}) for name in sorted(FAR_PART_REGISTRY))],
-                            tmp_path)
+    remote_code_round_trips([("window", {}), *((f"{name}_window", {}) for name in sorted(FAR_PART_REGISTRY)),
+                             ("block_window", {"far_kv_heads": [[1]]})], tmp_path)
 
 
 def test_the_registry_is_what_the_suite_covers():

@@ -20,7 +20,8 @@ SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--ls
          "--lsh_num_hashes", "2", "--far_position_group", "4", "--threads", "1", "--lengths", "320",
          "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
          "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
-         "--attributed_top", "1", "--attribution_prompts", "1", "--attribution_steps", "2"]
+         "--attributed_top", "1", "--attributed_kv_heads", "1", "--attribution_prompts", "1", "--attribution_steps",
+         "2"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,21 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     attributed = json.loads(next((tmp_path / "models").glob("block_attributed-*/calibration.json")).read_text())
     assert attributed["method"] == "attribution" and attributed["far_layers"] == [0] and attributed["top"] == [0]
     assert saved["calibration"]["block_attributed"]["settings"]["steps"] == 2
+    # block_heads: the same calibration's scores (reused, not computed again), the far part in its best key-value
+    # head alone, so its decoding state holds half of block_fixed's far keys
+    heads = json.loads(next((tmp_path / "models").glob("block_heads-*/calibration.json")).read_text())
+    assert heads["reused_from"].startswith("block_attributed-") and "reused_from" not in attributed
+    assert heads["head_scores"] == attributed["head_scores"]
+    best = max(range(2), key=lambda h: (heads["kv_head_scores"][0][h], -h))
+    assert heads["top_kv_heads"] == {"0": [best]}
+    config = json.loads(next((tmp_path / "models").glob("block_heads-*/config.json")).read_text())
+    assert config["attn_layers"] == ["block_window"] and config["far_kv_heads"] == [[best]]
+    assert rows["window"]["state_bytes"] < rows["block_heads"]["state_bytes"] < rows["block_fixed"]["state_bytes"]
+    # the part of the positive attribution each keeps its far part in: every head of the one layer, or the best head
+    positive = [max(score, 0.0) for score in heads["kv_head_scores"][0]]
+    assert saved["calibration"]["block_attributed"]["positive_share"] == 1.0
+    assert saved["calibration"]["block_heads"]["positive_share"] == pytest.approx(
+        positive[best] / sum(positive) if sum(positive) else 0.0)
     entry = saved["summary"]["window/320"]
     assert entry["cells"] == 1 and entry["cells_missing"] == 0
     assert entry["passkey"]["repeat"]["accuracy"] == float(rows["window"]["correct"])
@@ -101,8 +117,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
-    assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "lsh_fixed",
-                                                 "lsh_grouped", "window"]
+    assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "block_heads",
+                                                 "lsh_fixed", "lsh_grouped", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}

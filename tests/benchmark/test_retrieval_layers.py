@@ -213,3 +213,44 @@ def test_the_cli_lays_out_the_conversions_own_far_part_unless_told(tiny, tmp_pat
     with pytest.raises(ValueError, match="--far_kind"):
         rl.main([str(mixed), *flags, "--top", "3"])
     assert rl.main([str(mixed), *flags, "--top", "3", "--far_kind", "lsh_window"])["attn_layers"] == ["lsh_window"] * 3
+
+
+def test_key_value_heads_rank_by_their_query_heads_and_make_a_far_kv_heads_layout():
+    head_scores = [[0.1, 0.2, 0.3, -0.4], [0.5, -0.5, 0.05, 0.0]]  # 2 layers x 4 query heads over 2 key-value heads
+    summed = rl.kv_head_scores(head_scores, 2, "attribution")
+    for got, expected in ((summed, [[0.3, -0.1], [0.0, 0.05]]),
+                          (rl.kv_head_scores(head_scores, 2, "attention"), [[0.2, 0.3], [0.5, 0.05]])):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64))
+    assert rl.top_kv_heads(summed, 2) == {0: [0], 1: [1]}
+    assert rl.top_kv_heads(summed, 3) == {0: [0], 1: [0, 1]}
+    assert rl.top_kv_heads([[1.0, 1.0], [1.0, 1.0]], 3) == {0: [0, 1], 1: [0]}  # ties: the earlier layer, then head
+    result = rl.head_layout(3, {0: [0], 1: [0, 1]}, 2, "block_window", far_positions="fixed")
+    assert result == {"attn_layers": ["block_window", "block_window", "window"],
+                      "far_positions": ["fixed", "fixed", "rotary"], "far_kv_heads": [[0], None, None]}
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        rl.kv_head_scores(head_scores, 3, "attribution")
+    with pytest.raises(ValueError, match="kv_heads=5"):
+        rl.top_kv_heads(summed, 5)
+
+
+def test_the_cli_lays_out_the_top_key_value_heads_and_the_gates_follow_them(tiny, tmp_path):
+    """--kv_heads: the far part in the best key-value heads only (`far_kv_heads`), a layout the converter builds;
+    attributing a conversion that keeps some heads gates those heads alone (a closed gate: the window model)."""
+    folder, _, tokenizer = tiny
+    from attnzoo.convert.common import load_text_tokenizer, save_converted
+
+    target = save_converted(converted(folder, attn_layers=["block_window"]).float(), tmp_path / "far",
+                            [load_text_tokenizer(str(folder))])
+    result = rl.main([str(target), "--method", "attribution", "--length", "400", "--min_distance", "100",
+                      "--prompts", "1", "--steps", "1", "--kv_heads", "2"])
+    chosen = rl.top_kv_heads(rl.kv_head_scores(result["head_scores"], 2, "attribution"), 2)
+    assert result["top_kv_heads"] == chosen and result["top"] == sorted(chosen)
+    assert sum(len(h) if h is not None else 2 for i, h in enumerate(result["far_kv_heads"]) if i in chosen) == 2
+    model = converted(folder, **{k: result[k] for k in ("attn_layers", "far_positions", "far_kv_heads")})
+    assert {i: layer.far_kv_heads or [0, 1] for i, layer in rl.far_layers(model).items()} == chosen
+    ids = torch.tensor([[i % 250 + 3 for i in range(300)]])
+    with torch.no_grad():
+        closed = {i: torch.full((4,), -math.inf, dtype=torch.float64) for i in rl.far_layers(model)}
+        with rl.gated_far_parts(rl.far_layers(model), closed):
+            torch.testing.assert_close(model(ids).logits, converted(folder, "window")(ids).logits, rtol=1e-10,
+                                       atol=1e-10)

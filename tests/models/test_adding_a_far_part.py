@@ -16,11 +16,10 @@ from attnzoo import ZooWindowConfig, ZooWindowForCausalLM
 from attnzoo.transformers_compat import output_cache
 
 torch.manual_seed(0)
-config = ZooWindowConfig(attn_layers=["elu_plus_one_window", "window"], is_decoder=True, window_size=4,
-                         num_sink_tokens=2, vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, position_embedding_type="rotary",
-                         hidden_dropout_prob=0.0, pad_token_id=0)
-model = ZooWindowForCausalLM(config)
+settings = dict(attn_layers=["elu_plus_one_window", "window"], is_decoder=True, window_size=4, num_sink_tokens=2,
+                vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, position_embedding_type="rotary", hidden_dropout_prob=0.0, pad_token_id=0)
+model = ZooWindowForCausalLM(ZooWindowConfig(**settings))
 layer = model.model.transformer.blocks[0].attn
 assert type(layer).__name__ == "WindowedEluPlusOneAttention" and type(layer.far).__name__ == "EluPlusOneFarPart"
 assert [name for name, _ in layer.own_parameters()] == ["far_weight"]
@@ -36,18 +35,26 @@ optimizer.step()
 assert (layer.far_weight - before).abs().min() > 0
 
 # decoding from the ring and the far part's sums equals the full forward, left padding included
+def decoding_gap(model):
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        steps = [out.logits]
+        for t in range(6, 24):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
+            steps.append(out.logits)
+    return ((torch.cat(steps, 1) - full) * mask.bool()[..., None]).abs().max().item()
+
 model.eval()
-mask = torch.ones_like(ids)
-ids[1, :3], mask[1, :3] = 0, 0
-with torch.no_grad():
-    full = model(ids, attention_mask=mask).logits
-    out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
-    steps = [out.logits]
-    for t in range(6, 24):
-        out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
-        steps.append(out.logits)
-real = mask.bool()[..., None]
-gap = ((torch.cat(steps, 1) - full) * real).abs().max().item()
+gap = decoding_gap(model)
+assert gap < 1e-5, gap
+
+# kept in one of the two key-value heads (far_kv_heads): built for that head's two query heads, nothing else to write
+heads = ZooWindowForCausalLM(ZooWindowConfig(**settings, far_kv_heads=[[1], None])).eval()
+assert heads.model.transformer.blocks[0].attn.far_weight.shape == (2,)
+gap = decoding_gap(heads)
 assert gap < 1e-5, gap
 
 prompt = torch.arange(1, 13)[None]

@@ -207,3 +207,23 @@ def test_a_rope_scaling_given_to_from_pretrained_is_checked_not_ignored(tmp_path
         AutoModelForCausalLM.from_pretrained(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     linear = AutoModelForCausalLM.from_pretrained(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert linear.config.rope_scaling["factor"] == 2.0
+
+
+def test_a_saved_config_loads_in_transformers_own_config_class_without_a_warning(tmp_path):
+    """`AutoTokenizer.from_pretrained(folder)` reads config.json with transformers' PreTrainedConfig, which takes a
+    saved `rope_scaling` for its deprecated alias and warns: rope_scaling None (the default) is not saved; a scaling
+    is, and loads back."""
+    import warnings
+
+    from transformers import AutoConfig, PreTrainedConfig
+
+    plain, scaled = tmp_path / "plain", tmp_path / "scaled"
+    ZooSoftmaxConfig(**LLAMA_LAYER, is_decoder=True).save_pretrained(plain)
+    linear = {"rope_type": "linear", "factor": 2.0}
+    ZooSoftmaxConfig(**LLAMA_LAYER, is_decoder=True, rope_scaling=linear).save_pretrained(scaled)
+    assert "rope_scaling" not in json.loads((plain / "config.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PreTrainedConfig.from_pretrained(plain)
+    assert AutoConfig.from_pretrained(plain).rope_scaling is None
+    assert AutoConfig.from_pretrained(scaled).rope_scaling == linear

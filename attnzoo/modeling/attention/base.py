@@ -111,6 +111,10 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
                          f"no window beside a far part, and {far_positions!r} reads far keys at distances counted "
                          "from the window's edge (only the windowed attentions with a far part have one); give that "
                          "layer 'rotary' or 'none'.")
+    if far_kv_heads_of(config, layer_idx) is not None and getattr(cls, "far_part_class", None) is None:
+        raise ValueError(f"far_kv_heads={config.far_kv_heads!r} is invalid: layer {layer_idx} ({kind!r}) has no far "
+                         "part whose heads it could choose (only the windowed attentions with a far part have one); "
+                         "give that layer None.")
     if getattr(config, "position_embedding_type", None) == "rotary" and \
             "position_ids" not in inspect.signature(cls.forward).parameters:
         raise ValueError(f"{field_name}={list(getattr(config, field_name))!r} is invalid with "
@@ -118,6 +122,13 @@ def build_attention(kind: str, config, layer_idx: int, causal: bool, field_name:
                          "position_ids, so it cannot rotate its queries and keys; add a `position_ids=None` keyword "
                          "and rotate q and k (docs/adding_an_attention.md), or use another position_embedding_type.")
     return cls(config, layer_idx, causal)
+
+
+def far_kv_heads_of(config, layer_idx: int) -> list[int] | None:
+    """The `far_kv_heads` entry of layer `layer_idx` (a shorter list repeats, as `attn_layers` does): the key-value
+    heads that keep the layer's far part, or None for every head."""
+    entries = getattr(config, "far_kv_heads", None)
+    return None if not entries else entries[layer_idx % len(entries)]
 
 
 def configs_having(config, settings: tuple[str, ...]) -> list[str]:

@@ -48,6 +48,12 @@ near part normalises and scores unscaled, a query's own key penalised; the near 
 `attention_probs_dropout_prob`. The far part only describes itself: it is built for the layer's shapes (num_heads,
 num_kv_heads, head_dim, layer_idx, window_size, sinks: plain attributes set once) and follows its train/eval mode.
 
+A layer may keep its far part in some of its key-value heads only (the config's `far_kv_heads`, DuoAttention's
+retrieval heads): the far part is then built for those heads (its num_kv_heads, and num_heads their query heads) and
+sees only their queries, keys and values in every form; the layer gives the other query heads the triple of no far
+keys (0, 1, -inf), so they attend to their window and sinks exactly, and the far part's state holds the chosen heads
+alone. A far part needs nothing of its own for this.
+
 A far part whose estimate of exp(s_ij) is on the exact scale (FAVOR+'s and LARA's features) returns its sums with
 their common log scale; one that is normalised itself (LSH's bucket softmax, RA's far values) returns its output as
 the numerator, 1 as the denominator and its log-sum-exp of scores as the log scale (`normalised_far`). A query
@@ -65,7 +71,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -77,6 +83,7 @@ from attnzoo.modeling.attention.base import (
     UsesRecomputation,
     ZooAttention,
     check_attention_mask,
+    far_kv_heads_of,
     register_attention,
     replaceable,
 )
@@ -215,6 +222,9 @@ class FarPart:
         # keys do not depend on the layer being windowed): the far part is not a module.
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if layer.far_kv_heads is not None:  # built for the heads that keep it (module docstring)
+            self.num_kv_heads = len(layer.far_kv_heads)
+            self.num_heads = self.num_kv_heads * (layer.num_heads // layer.num_kv_heads)
         self.layer_idx = layer.layer_idx
         self.window_size, self.sinks = layer.window_size, layer.sinks
         self.training = layer.training  # kept in step by the layer's `train()`
@@ -273,6 +283,9 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         else:
             self.build_projections()
         self.window_dropout = config.attention_probs_dropout_prob
+        heads = far_kv_heads_of(config, layer_idx)
+        #: the key-value heads that keep the far part, ascending; None: every head (the config's `far_kv_heads`)
+        self.far_kv_heads = None if heads is None or sorted(heads) == list(range(self.num_kv_heads)) else sorted(heads)
         self.far = None if far_part_class is None else far_part_class(self, config)
 
     @classmethod
@@ -359,6 +372,33 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
                                  all_real=attention_mask is None)
         return self._output(self.merge_heads(out.to(hidden_states.dtype)))
 
+    # -- the far part's heads ---------------------------------------------------------------------------------------
+    def _call_far(self, form: str, x: FarInputs) -> FarOutput:
+        """The far part's form `form` on the bundle x, checked; with `far_kv_heads`, on the chosen heads' slice of x,
+        and widened to every query head (the others: no far keys)."""
+        if self.far_kv_heads is None:
+            return check_far_outputs(self, form, getattr(self.far, form)(x), x)
+        query_heads, kv_heads = self.far_head_indices(x.q.device)
+
+        def heads_of(t):  # a keys' tensor has a head per query head under shared QK, else per key-value head
+            return t.index_select(1, query_heads if t.shape[1] == self.num_heads else kv_heads)
+
+        leaving = None if x.leaving is None else (heads_of(x.leaving[0]), heads_of(x.leaving[1]), *x.leaving[2:])
+        chosen = replace(x, q=heads_of(x.q), k=heads_of(x.k), v=heads_of(x.v), leaving=leaving)
+        out = check_far_outputs(self, form, getattr(self.far, form)(chosen), chosen)
+        shape = (x.q.shape[0], self.num_heads, *out.num.shape[2:])
+        num = out.num.new_zeros(shape).index_copy(1, query_heads, out.num)
+        den = out.den.new_ones(shape[:3]).index_copy(1, query_heads, out.den)
+        log_scale = out.log_scale.new_full(shape[:3], float("-inf")).index_copy(1, query_heads, out.log_scale)
+        return FarOutput(num, den, log_scale, out.state, out.constants)
+
+    def far_head_indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query heads [H'], key-value heads [kv']) that keep the far part: query head h reads key-value head
+        h // group (`FarPart.expand_kv`)."""
+        group = self.num_heads // self.num_kv_heads
+        kv_heads = torch.tensor(self.far_kv_heads, device=device)
+        return (kv_heads[:, None] * group + torch.arange(group, device=device)).flatten(), kv_heads
+
     # -- the parallel form -----------------------------------------------------------------------------------------
     def _parallel(self, q, k, v, q_far, k_far, valid, layer, recompute, sink_q=None, all_real=False):
         """Rows left-aligned (each row's real tokens first: a sequence index is then a real position; skipped when
@@ -380,7 +420,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
             x = FarInputs(q if far_q is None else far_q, k if far_k is None else far_k, v,
                           position[None, :] < n_real[:, None], position[None, :].expand(q.shape[0], -1),
                           keep_state=layer is not None, recompute=recompute)
-            far = check_far_outputs(self, "parallel", self.far.parallel(x), x)
+            far = self._call_far("parallel", x)
             if layer is not None:
                 far_entries = {FAR_STATE + name: t for name, t in (far.state or {}).items()}
                 layer.shared.update(far.constants or {})
@@ -405,7 +445,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         if self.far is not None:
             x = FarInputs(q_far, k if far_k is None else far_k, v, real[:, None], position[:, None], leaving=leaving,
                           state=far_state(layer), constants=layer.shared, seen=layer.get_seq_length())
-            far = check_far_outputs(self, "step", self.far.step(x), x)
+            far = self._call_far("step", x)
             far_entries = {FAR_STATE + name: t for name, t in (far.state or {}).items()}
             far = far[:3]
         layer.store(1, **ring, **far_entries)
@@ -424,7 +464,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         if self.far is not None:
             far = dense_near_and_far(valid, self.window_size, self.sinks)[1]
             x = FarInputs(q_far, k_far, v, valid, valid.long().cumsum(-1) - 1, far=far, recompute=recompute)
-            far_part = check_far_outputs(self, "reference", self.far.reference(x), x)[:3]
+            far_part = self._call_far("reference", x)[:3]
         out = self.near.reference(q, self._near_keys(k), v, valid, sink_q, far_part)
         return self._output(self.merge_heads(out.to(hidden_states.dtype)))
 

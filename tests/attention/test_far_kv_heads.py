@@ -10,14 +10,13 @@ import torch
 
 from attnzoo.configuration.hybrid import ZooHybridConfig
 from attnzoo.modeling.attention.base import build_attention
+from attnzoo.modeling.attention.conformance import SMALL as CONFORMANCE_SMALL
 from attnzoo.modeling.modeling_hybrid import ZooHybridForCausalLM
 from attnzoo.transformers_compat import output_cache
 
-#: 4 query heads of width 8 over 2 key-value heads; a short window, so most keys are far
-SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
-             position_embedding_type="rotary", is_decoder=True, vocab_size=37, num_hidden_layers=2,
-             intermediate_size=48, hidden_dropout_prob=0.0, max_position_embeddings=64, block_size=2, block_topk=2,
-             far_positions=["fixed"])
+#: the conformance suite's small model (4 query heads of width 8 over 2 key-value heads, a short window, so most keys
+#: are far), its far keys at the fixed distance
+SMALL = {**CONFORMANCE_SMALL, "far_positions": ["fixed"]}
 
 
 def heads_out(kind: str, **settings) -> torch.Tensor:

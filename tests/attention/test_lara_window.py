@@ -155,6 +155,28 @@ def test_decoding_across_chunk_completions_equals_the_full_forward_and_stores_no
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
 
 
+def test_decoding_equals_the_full_forward_after_layers_of_other_head_counts():
+    """The step's `torch.cond` is traced by dynamo, one trace per process shared by every layer: after layers of
+    other head counts it traces the head count as a symbol, and torch 2.11's `cond` refused the chunk proposal's
+    layout for it. From a clean compiler, each model decodes like its full forward in turn."""
+    torch.compiler.reset()
+    for heads, kv_heads, far_kv_heads in [(4, 2, None), (4, 2, [[1]]), (2, 1, None), (8, 4, [[0, 2]]), (4, 2, None)]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config(
+            num_attention_heads=heads, num_key_value_heads=kv_heads, far_kv_heads=far_kv_heads)).double().eval()
+        ids = torch.randint(1, 37, (2, 14))
+        mask = torch.ones_like(ids)
+        ids[1, :2], mask[1, :2] = 0, 0
+        full = model(ids, attention_mask=mask).logits
+        out = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        steps = [out.logits]
+        for t in range(4, 14):  # chunks of 3 complete in both rows, at different steps
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
+            steps.append(out.logits)
+        real = mask.bool()[..., None]
+        torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+
+
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config()).eval()

@@ -126,7 +126,8 @@ class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
                 pad = [0, 0] * (current.dim() - 3) + [0, needed - current.shape[2]]
                 current = torch.nn.functional.pad(current, pad)
             index = slot.view(batch, 1, 1, *([1] * (current.dim() - 3))).expand(batch, heads, 1, *current.shape[3:])
-            kept = torch.where(finished.view(batch, *([1] * (current.dim() - 1))), fresh.unsqueeze(2),
+            fresh = fresh.view(batch, heads, 1, *current.shape[3:])
+            kept = torch.where(finished.view(batch, *([1] * (current.dim() - 1))), fresh,
                                current.gather(2, index))
             proposals[name] = current.scatter(2, index, kept)
         keep = ~finished[:, None, None]
@@ -141,8 +142,11 @@ class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
         gone = keys_far_from(position, keys.shape[2], self.window_size, self.sinks)
         log_k = log_features_at(self.expand_kv(keys), omega.unsqueeze(2))  # [B, H, N, 1]
         far = far_sums(log_k, self.expand_kv(values), gone)
-        # dense layouts, as `_no_proposal`'s: the two branches' outputs must have the same strides
-        return tuple(t.clone(memory_format=torch.contiguous_format) for t in (
+        # flat, as `_no_proposal`'s (the step restores the shapes): `cond` wants both branches' outputs dense, and
+        # once dynamo has traced layers of several head counts, the heads `expand_kv` gives are a size it cannot prove
+        # to be at least 1, whose contiguous stride (8 * Max(1, heads)) torch 2.11's `cond` rejects as not dense; a
+        # 1-D tensor's stride is 1 whatever its size (cloned: no output may alias another)
+        return tuple(t.reshape(-1).clone() for t in (
             omega, mu, q_bar, far["kv_sum"].squeeze(2), far["key_sum"].squeeze(2), far["key_level"].squeeze(2)))
 
     # -- reference --------------------------------------------------------------------------------------------------
@@ -160,9 +164,9 @@ class LARAFarPart(CausalLARATerms, LARASettings, FarPart):
 
 
 def _no_proposal(position, keys, values, q_sum, k_sum):
-    """The branch of the step's `torch.cond` where no row completed a chunk: placeholders of the proposal's shapes,
-    never kept."""
+    """The branch of the step's `torch.cond` where no row completed a chunk: placeholders of the proposal's sizes,
+    flat as `_chunk_proposal`'s, never kept."""
     batch, heads, dim = q_sum.shape
-    return (q_sum.new_zeros(batch, heads, dim), q_sum.new_zeros(batch, heads, dim), q_sum.new_zeros(batch, heads, dim),
-            values.new_zeros(batch, heads, values.shape[-1]), q_sum.new_zeros(batch, heads),
-            q_sum.new_zeros(batch, heads))
+    return (q_sum.new_zeros(batch * heads * dim), q_sum.new_zeros(batch * heads * dim),
+            q_sum.new_zeros(batch * heads * dim), values.new_zeros(batch * heads * values.shape[-1]),
+            q_sum.new_zeros(batch * heads), q_sum.new_zeros(batch * heads))

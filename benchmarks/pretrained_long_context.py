@@ -41,7 +41,10 @@ Designs (each a named conversion of the source, converted once into --models_dir
   retrieval in every layer finds;
 - `lsh_fixed` / `lsh_grouped`: the exact window plus LSH's far part with separate queries and keys
   (`attn_layers=[lsh_window]`, `lsh_shared_qk=false`, --lsh_num_hashes, --lsh_chunk_length), its far keys at the
-  fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group).
+  fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group);
+- `lsh_heads`: `block_heads`' key-value heads (the same calibration's scores, reused), LSH's far part at the fixed
+  distance in them instead of block retrieval: selection by hashing against selection by block scores, with the same
+  heads reading and the same keys kept.
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -120,7 +123,7 @@ MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-conte
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded",
-                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped")
+                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -298,8 +301,9 @@ def design_specs(args) -> dict[str, dict]:
     attribution = {"method": "attribution", "of": "block_fixed", "far_kind": "block_window", "far_positions": "fixed",
                    "length": args.calibration_length, "min_distance": args.calibration_distance or args.window_size,
                    "prompts": args.attribution_prompts, "steps": args.attribution_steps, "seed": args.seed}
-    lsh = {**window, "attn_layers": ["lsh_window"], "lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
-           "lsh_chunk_length": args.lsh_chunk_length}
+    lsh_settings = {"lsh_shared_qk": False, "lsh_num_hashes": args.lsh_num_hashes,
+                    "lsh_chunk_length": args.lsh_chunk_length}
+    lsh = {**window, "attn_layers": ["lsh_window"], **lsh_settings}
     return {
         "source": {},
         "source_linear": {"rope": {"rope_type": "linear", "factor": "length / max_position_embeddings"}},
@@ -320,6 +324,10 @@ def design_specs(args) -> dict[str, dict]:
         "lsh_fixed": {"family": "hybrid", "model": {**lsh, "far_positions": ["fixed"]}},
         "lsh_grouped": {"family": "hybrid", "model": {**lsh, "far_positions": ["grouped"],
                                                       "far_position_group": args.far_position_group}},
+        # block_heads' heads (the same scores), with LSH's far part instead of block retrieval
+        "lsh_heads": {"family": "hybrid", "model": {**window, **lsh_settings},
+                      "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads,
+                                           "far_kind": "lsh_window"}},
     }
 
 

@@ -91,6 +91,13 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     config = json.loads(next((tmp_path / "models").glob("block_heads-*/config.json")).read_text())
     assert config["attn_layers"] == ["block_window"] and config["far_kv_heads"] == [[best]]
     assert rows["window"]["state_bytes"] < rows["block_heads"]["state_bytes"] < rows["block_fixed"]["state_bytes"]
+    # lsh_heads: the same heads and scores, LSH's far part (separate QK) in them
+    lsh_heads = json.loads(next((tmp_path / "models").glob("lsh_heads-*/calibration.json")).read_text())
+    assert lsh_heads["reused_from"].startswith("block_attributed-") and lsh_heads["top_kv_heads"] == {"0": [best]}
+    config = json.loads(next((tmp_path / "models").glob("lsh_heads-*/config.json")).read_text())
+    assert config["attn_layers"] == ["lsh_window"] and config["far_kv_heads"] == [[best]]
+    assert config["lsh_shared_qk"] is False and config["far_positions"] == ["fixed"]
+    assert rows["window"]["state_bytes"] < rows["lsh_heads"]["state_bytes"] < rows["lsh_fixed"]["state_bytes"]
     # the part of the positive attribution each keeps its far part in: every head of the one layer, or the best head
     positive = [max(score, 0.0) for score in heads["kv_head_scores"][0]]
     assert saved["calibration"]["block_attributed"]["positive_share"] == 1.0
@@ -118,7 +125,7 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "block_heads",
-                                                 "lsh_fixed", "lsh_grouped", "window"]
+                                                 "lsh_fixed", "lsh_grouped", "lsh_heads", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}

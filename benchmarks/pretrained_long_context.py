@@ -44,7 +44,13 @@ Designs (each a named conversion of the source, converted once into --models_dir
   fixed distance, or at Self-Extend's grouped distances (`far_positions=[grouped]`, --far_position_group);
 - `lsh_heads`: `block_heads`' key-value heads (the same calibration's scores, reused), LSH's far part at the fixed
   distance in them instead of block retrieval: selection by hashing against selection by block scores, with the same
-  heads reading and the same keys kept.
+  heads reading and the same keys kept. Hashed as they are, SmolLM2's keys crowd a few buckets its queries do not
+  reach (attnzoo.convert.lsh_key_centres), and it finds no far key;
+- `lsh_heads_centred`: the same, each key hashed minus its head's mean key (`lsh_centre_keys`; the means of the last
+  --calibration_length tokens of the default corpus, the loss document's other end), with --centred_buckets buckets,
+  --centred_hashes rounds and the K = --centred_chunks_before x --lsh_chunk_length most recent keys of a query's
+  bucket (fewer buckets and more rounds than the default: a query's bucket must hold the pass key in some round,
+  and no more than K keys after it).
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -123,7 +129,7 @@ MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-conte
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded",
-                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads")
+                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -193,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lsh_num_hashes", type=int, default=4)
     p.add_argument("--lsh_chunk_length", type=int, default=64)
     p.add_argument("--far_position_group", type=int, default=8, help="G of lsh_grouped (reads about G (N - W))")
+    p.add_argument("--centred_buckets", type=int, default=64, help="LSH buckets per round of lsh_heads_centred")
+    p.add_argument("--centred_hashes", type=int, default=8, help="LSH hash rounds of lsh_heads_centred")
+    p.add_argument("--centred_chunks_before", type=int, default=8,
+                   help="lsh_num_chunks_before of lsh_heads_centred: a query reads the K = this x --lsh_chunk_length "
+                        "most recent keys of its bucket in each round")
     p.add_argument("--dynamic_factor", type=float, default=2.0, help="factor of source_dynamic's rope scaling")
     p.add_argument("--dtype", default="float32", help=f"one of {list(DTYPES)}")
     p.add_argument("--threads", type=int, default=2, help="torch threads (timings are for this many)")
@@ -229,12 +240,15 @@ def check_arguments(args) -> None:
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
                 "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads", "attribution_prompts",
                 "attribution_steps", "calibration_length", "calibration_prompts", "lsh_num_hashes",
-                "lsh_chunk_length", "far_position_group", "threads", "ruler_samples", "ruler_long_samples")
+                "lsh_chunk_length", "far_position_group", "centred_hashes", "centred_chunks_before", "threads",
+                "ruler_samples", "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
     if args.calibration_distance is not None and args.calibration_distance < 1:
         raise BadArgument(f"--calibration_distance={args.calibration_distance}: give a positive number of tokens.")
+    if args.centred_buckets < 2 or args.centred_buckets % 2:
+        raise BadArgument(f"--centred_buckets={args.centred_buckets}: give an even number of buckets, at least 2.")
     if args.block_size % args.block_query_size:
         raise BadArgument(f"--block_query_size={args.block_query_size}: give a divisor of --block_size="
                           f"{args.block_size} (query blocks tile the far-key blocks).")
@@ -328,6 +342,14 @@ def design_specs(args) -> dict[str, dict]:
         "lsh_heads": {"family": "hybrid", "model": {**window, **lsh_settings},
                       "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads,
                                            "far_kind": "lsh_window"}},
+        "lsh_heads_centred": {"family": "hybrid",
+                              "model": {**window, **lsh_settings, "lsh_centre_keys": True,
+                                        "lsh_num_buckets": args.centred_buckets,
+                                        "lsh_num_hashes": args.centred_hashes,
+                                        "lsh_num_chunks_before": args.centred_chunks_before},
+                              "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads,
+                                                   "far_kind": "lsh_window"},
+                              "key_centres": {"length": args.calibration_length}},
     }
 
 
@@ -393,13 +415,34 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
                 model_settings.update(calibration["layout"])
             print(f"converting {name} into {target} (once): --family {spec['family']} --model {model_settings}",
                   flush=True)
-            save_converted(convert(source, spec["family"], model_settings), target,
-                           [load_text_tokenizer(source_dir)], converter="attnzoo.convert.llama", src=source_dir,
-                           family=spec["family"])
+            model = convert(source, spec["family"], model_settings)
+            if "key_centres" in spec:
+                centring = centre_keys(model, load_text_tokenizer(source_dir), spec["key_centres"]["length"])
+                calibration = {**(calibration or {}), "key_centres": centring}
+            save_converted(model, target, [load_text_tokenizer(source_dir)], converter="attnzoo.convert.llama",
+                           src=source_dir, family=spec["family"])
+            del model
             if calibration is not None:  # beside the model: the layers it keeps a far part in, and why
                 (target / "calibration.json").write_text(json.dumps(calibration, indent=1) + "\n")
         folders[name] = str(args.models_dir / rel)
     return {name: folders[name] for name in designs}
+
+
+def centre_keys(model, tokenizer, length: int) -> dict:
+    """Set the LSH far parts' key centres of a conversion (attnzoo.convert.lsh_key_centres) from the last `length`
+    tokens of the default corpus (the far end from the loss document's start); returns what was done: the tokens, the
+    seconds, and each layer's centre norm per key-value head."""
+    import torch
+
+    from attnzoo.convert.lsh_key_centres import centre_lsh_keys
+    from attnzoo.corpus import default_corpus_text
+
+    started = time.perf_counter()
+    text = default_corpus_text()
+    ids = list(tokenizer(text[-8 * length:], add_special_tokens=False)["input_ids"])[-length:]
+    centres = centre_lsh_keys(model, torch.tensor([ids]))
+    return {"tokens": len(ids), "seconds": time.perf_counter() - started,
+            "centre_norms": {str(i): c.norm(dim=-1).tolist() for i, c in centres.items()}}
 
 
 #: the settings of a calibrated design that choose among the scores, not what they are

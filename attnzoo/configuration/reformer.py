@@ -53,6 +53,13 @@ class ZooReformerSettings(ZooConfig):
             the exact q·k / √d, and "bucket" is the only `lsh_attend_to` (docs/lsh_attention.md, "Separate
             queries and keys"). An "lsh" layer then attends to its own key and, in every round, to the most recent
             earlier keys of its bucket (`lsh_window` with a window of one token).
+        lsh_centre_keys: with separate queries and keys, hash each key minus a per-head centre (the layer's buffer
+            `lsh_key_centre`, zero until set, e.g. to the mean key of a calibration text by
+            `attnzoo.convert.lsh_key_centres.centre_lsh_keys`). Scores are unchanged (q·(k - c) differs from q·k by
+            a constant per query, and every retrieved key is scored with the exact q·k); what changes is which keys
+            share a query's bucket. A pretrained model's keys share a large common direction that its queries do
+            not, so uncentred angular hashing puts the keys in a few buckets and the queries in others
+            (docs/lsh_attention.md, "Centred keys").
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
             probabilities (`None`: `attention_probs_dropout_prob`).
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
@@ -72,6 +79,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_attend_to: str = "bucket"
     lsh_duplicate_correction: bool = True
     lsh_shared_qk: bool = True
+    lsh_centre_keys: bool = False
     lsh_attention_probs_dropout_prob: float | None = None
 
     local_chunk_length: int = 64
@@ -112,6 +120,10 @@ class ZooReformerSettings(ZooConfig):
             fail("lsh_attend_to", self.lsh_attend_to, "with lsh_shared_qk=False a query and a key fall in buckets of "
                                                       "their own, so no chunk of a shared sorted order holds both; "
                                                       "set lsh_attend_to='bucket'.")
+        check_choice(self, "lsh_centre_keys", (True, False))
+        if self.lsh_centre_keys and self.lsh_shared_qk:
+            fail("lsh_centre_keys", self.lsh_centre_keys, "shared-QK keys are the normalised queries, hashed as the "
+                                                          "queries are; set lsh_shared_qk=False to centre keys apart.")
         check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
         check_probability(self, "local_attention_probs_dropout_prob", optional=True)
 

@@ -21,7 +21,7 @@ SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--ls
          "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
          "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
          "--attributed_top", "1", "--attributed_kv_heads", "1", "--attribution_prompts", "1", "--attribution_steps",
-         "2"]
+         "2", "--centred_buckets", "4", "--centred_hashes", "3", "--centred_chunks_before", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,16 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert config["attn_layers"] == ["lsh_window"] and config["far_kv_heads"] == [[best]]
     assert config["lsh_shared_qk"] is False and config["far_positions"] == ["fixed"]
     assert rows["window"]["state_bytes"] < rows["lsh_heads"]["state_bytes"] < rows["lsh_fixed"]["state_bytes"]
+    # lsh_heads_centred: the same heads, its own LSH settings, and key centres set from the corpus's last tokens
+    centred = json.loads(next((tmp_path / "models").glob("lsh_heads_centred-*/calibration.json")).read_text())
+    assert centred["top_kv_heads"] == {"0": [best]} and centred["key_centres"]["tokens"] == 256
+    config = json.loads(next((tmp_path / "models").glob("lsh_heads_centred-*/config.json")).read_text())
+    assert config["far_kv_heads"] == [[best]] and config["lsh_centre_keys"] is True
+    assert (config["lsh_num_buckets"], config["lsh_num_hashes"], config["lsh_num_chunks_before"]) == (4, 3, 2)
+    folder = next((tmp_path / "models").glob("lsh_heads_centred-*"))
+    centre = AutoModelForCausalLM.from_pretrained(folder).model.transformer.blocks[0].attn.lsh_key_centre
+    assert centre.shape == (1, 8) and centre.norm(dim=-1).tolist() == pytest.approx(
+        centred["key_centres"]["centre_norms"]["0"]) and centre.abs().sum() > 0
     # the part of the positive attribution each keeps its far part in: every head of the one layer, or the best head
     positive = [max(score, 0.0) for score in heads["kv_head_scores"][0]]
     assert saved["calibration"]["block_attributed"]["positive_share"] == 1.0
@@ -125,7 +135,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "block_heads",
-                                                 "lsh_fixed", "lsh_grouped", "lsh_heads", "window"]
+                                                 "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
+                                                 "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}
@@ -172,7 +183,8 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
 
 @pytest.mark.parametrize("flag, value", [("--designs", "nope"), ("--lengths", "8"), ("--depths", "1.5"),
                                          ("--fillers", "lorem"), ("--trials", "0"), ("--dtype", "int8"),
-                                         ("--sink_positions", "middle"), ("--block_query_size", "5")])
+                                         ("--sink_positions", "middle"), ("--block_query_size", "5"),
+                                         ("--centred_buckets", "5"), ("--centred_hashes", "0")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),

@@ -33,7 +33,9 @@ the window's ring, each token's buckets as indices and the keys and values that 
 larger than a KV cache; the evaluation rotations are drawn again from the seed): a new token costs
 O((S + W + rounds · K) · head_dim + rounds · n). With the "bucket" setting it equals the full forward
 (docs/lsh_attention.md, §6). With `lsh_shared_qk=False` queries and keys keep their own projections and are hashed
-apart, and the far part scores each query's candidates in blocks of the keys' sorted order (docs/lsh_attention.md, §7).
+apart, and the far part scores each query's candidates in blocks of the keys' sorted order (docs/lsh_attention.md, §7);
+with `lsh_centre_keys` each key is hashed minus its head's centre, a buffer of the layer (scores unchanged; "Centred
+keys" there).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers import initialization as init
 
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
 from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets, gather_grouped, grouped_rows
@@ -110,6 +113,15 @@ class LSHFarPart(LSHBuckets, FarPart):
         dropout = config.lsh_attention_probs_dropout_prob
         self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
         self.read_lsh_settings(config)
+        self.centre_keys = config.lsh_centre_keys
+        if self.centre_keys:  # one centre per key-value head of this far part (zero until calibrated)
+            layer.register_buffer("lsh_key_centre", torch.zeros(self.num_kv_heads, self.head_dim), persistent=True)
+        #: while not None, `_hash_keys` adds [kv_heads, d] key sums and their count here (`lsh_key_centres`)
+        self.key_record: list | None = None
+
+    def init_buffers(self) -> None:
+        if self.centre_keys:
+            init.zeros_(self.layer.lsh_key_centre)
 
     @property
     def dropout_rate(self) -> float:
@@ -129,7 +141,13 @@ class LSHFarPart(LSHBuckets, FarPart):
 
     # -- hashing ----------------------------------------------------------------------------------------------------
     def _hash_keys(self, k, rotations, factors, valid):
-        """Key buckets [B, H, R, L]: separate keys are hashed per query head, with that head's rotations."""
+        """Key buckets [B, H, R, L] of keys k [B, kv_heads, L, d] (valid [B, L] or None): separate keys are hashed
+        per query head, with that head's rotations, minus their head's centre with `lsh_centre_keys`."""
+        if self.key_record is not None:
+            real = k.new_ones(k.shape[0], k.shape[2]) if valid is None else valid.to(k.dtype)
+            self.key_record.append((torch.einsum("bhld,bl->hd", k.detach(), real), real.sum()))
+        if self.centre_keys:
+            k = k - self.layer.lsh_key_centre[:, None, :].to(k.dtype)
         return self.hash_vectors(self.expand_kv(k), rotations, factors, valid)
 
     def _buckets(self, q, k, valid, recompute):
@@ -346,7 +364,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         not_real = ~real[:, None, None, None]
         query_buckets = hash_buckets(q, rotations, factors).masked_fill(not_real, math.prod(factors))
         key_buckets = query_buckets if self.shared_qk else \
-            hash_buckets(self.expand_kv(k), rotations, factors).masked_fill(not_real, math.prod(factors))
+            self._hash_keys(k, rotations, factors, None).masked_fill(not_real, math.prod(factors))
         buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
         candidates = most_recent_in_bucket(buckets, query_buckets, position[:, None, None, None], self.recent_size)
         stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,

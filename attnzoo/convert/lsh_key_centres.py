@@ -1,0 +1,67 @@
+"""Centres for the keys of a converted model's LSH far parts (`lsh_centre_keys`), from a calibration text: no
+training.
+
+Angular LSH puts a vector in a bucket by its direction alone ("Reformer: The Efficient Transformer", arXiv
+2001.04451, §2), so a query finds the keys whose directions are near its own. A pretrained model's keys are not spread
+over directions: within a head they share a large common component that its queries do not share, so hashed as they
+are, nearly every key falls in a few buckets and the queries in others. On SmolLM2-135M (LSH in the key-value heads
+`benchmarks/pretrained_long_context.py`'s `lsh_heads` keeps a far part in) the question's bucket held almost none of
+the far keys in any round, and not the pass key, in heads whose exact scores rank the pass key first.
+
+Subtracting each head's mean key c before hashing changes no score (every retrieved key is scored with the exact
+q·k, and q·(k - c) = q·k - q·c is q·k less a constant per query, which a softmax ignores) and spreads the keys over
+the buckets by what sets them apart. The centre is a buffer of the layer (`lsh_key_centre`, one per key-value head),
+fixed once calibrated, so a key's buckets depend on nothing after it and decoding hashes as the full forward does.
+
+    model = AutoModelForCausalLM.from_pretrained(converted)  # its config: lsh_shared_qk=False, lsh_centre_keys=True
+    centre_lsh_keys(model, ids)  # ids [batch, length]: a calibration text's tokens
+    model.save_pretrained(dst)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def centred_lsh_parts(model) -> dict[int, object]:
+    """{layer index: its LSH far part} for every layer of `model` whose LSH far part centres its keys."""
+    from attnzoo.modeling.attention.lsh_window import LSHFarPart
+
+    return {m.layer_idx: m.far for m in model.modules()
+            if isinstance(getattr(m, "far", None), LSHFarPart) and m.far.centre_keys}
+
+
+@torch.no_grad()
+def centre_lsh_keys(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) \
+        -> dict[int, torch.Tensor]:
+    """Set every centring LSH far part's `lsh_key_centre` to the mean of the keys it hashes in one forward over
+    `input_ids` [batch, length] (real tokens only, by `attention_mask`), the centres at zero during that forward (so
+    the result does not depend on earlier centres); returns {layer index: centre [kv_heads, head_dim]}. ValueError
+    when the model has no such far part."""
+    parts = centred_lsh_parts(model)
+    if not parts:
+        raise ValueError("the model has no LSH far part that centres its keys: centre_lsh_keys needs lsh_window (or "
+                         "causal lsh) layers with lsh_shared_qk=False and lsh_centre_keys=True in its config; "
+                         "convert or load it with those settings.")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {list(input_ids.shape)}; pass [batch, length] token ids of a "
+                         "calibration text, length > 0.")
+    was_training = model.training
+    model.eval()
+    for part in parts.values():
+        part.layer.lsh_key_centre.zero_()
+        part.key_record = []
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        centres = {}
+        for index, part in parts.items():
+            sums = torch.stack([total for total, _ in part.key_record]).sum(0)
+            count = torch.stack([n for _, n in part.key_record]).sum()
+            centres[index] = (sums / count).to(part.layer.lsh_key_centre.dtype)
+    finally:
+        for part in parts.values():
+            part.key_record = None
+        model.train(was_training)
+    for index, part in parts.items():
+        part.layer.lsh_key_centre.copy_(centres[index])
+    return centres

@@ -133,3 +133,17 @@ def test_bad_settings_and_models_without_centres_are_refused():
         centre_lsh_keys(model, torch.randint(1, 37, (1, 10)))
     with pytest.raises(ValueError, match="input_ids"):
         centre_lsh_keys(AutoModelForCausalLM.from_config(config()).eval(), torch.randint(1, 37, (10,)))
+
+
+def test_a_checkpoint_without_centres_loads_with_centring_on_at_zero_and_reports_nothing_missing(tmp_path):
+    """The documented path: load an uncentred conversion with lsh_centre_keys=True, then calibrate. Until then the
+    centres are zero (the uncentred model's outputs), and the load does not call them weights missing from the
+    checkpoint."""
+    torch.manual_seed(0)
+    plain = AutoModelForCausalLM.from_config(config(lsh_centre_keys=False)).eval()
+    plain.save_pretrained(tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, lsh_centre_keys=True, output_loading_info=True)
+    assert not info["missing_keys"]
+    assert [b.abs().max().item() for n, b in model.named_buffers() if n.endswith("lsh_key_centre")] == [0.0, 0.0]
+    ids = torch.randint(1, 37, (1, 20))
+    torch.testing.assert_close(model.eval()(ids).logits, plain(ids).logits, rtol=0, atol=0)

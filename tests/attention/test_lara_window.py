@@ -15,6 +15,7 @@ from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.windowed import FAR_STATE, far_state
 from attnzoo.transformers_compat import output_cache
 from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
+from tests.attention.test_far_positions import assert_decoding_equals_the_full_forward
 
 
 def config(**overrides):
@@ -164,17 +165,8 @@ def test_decoding_equals_the_full_forward_after_layers_of_other_head_counts():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config(
             num_attention_heads=heads, num_key_value_heads=kv_heads, far_kv_heads=far_kv_heads)).double().eval()
-        ids = torch.randint(1, 37, (2, 14))
-        mask = torch.ones_like(ids)
-        ids[1, :2], mask[1, :2] = 0, 0
-        full = model(ids, attention_mask=mask).logits
-        out = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
-        steps = [out.logits]
-        for t in range(4, 14):  # chunks of 3 complete in both rows, at different steps
-            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
-            steps.append(out.logits)
-        real = mask.bool()[..., None]
-        torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
+        # chunks of 3 complete in both rows while decoding, at different steps
+        assert_decoding_equals_the_full_forward(model, length=14, prefill=4, padding=2)
 
 
 def test_saves_loads_and_generates_like_the_full_forward(tmp_path):

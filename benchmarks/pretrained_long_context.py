@@ -49,8 +49,10 @@ Designs (each a named conversion of the source, converted once into --models_dir
 - `lsh_heads_centred`: the same, each key hashed minus its head's mean key (`lsh_centre_keys`; the means of the last
   --calibration_length tokens of the default corpus, the loss document's other end), with --centred_buckets buckets,
   --centred_hashes rounds and the K = --centred_chunks_before x --lsh_chunk_length most recent keys of a query's
-  bucket (fewer buckets and more rounds than the default: a query's bucket must hold the pass key in some round,
-  and no more than K keys after it).
+  bucket: a query's bucket must hold the pass key in some round (more rounds than `lsh_heads`), with fewer than K
+  keys of it after the key (about distance / buckets: K = 128 reaches about 32K tokens back with 256 buckets). A query
+  scores rounds x (K + 32) keys, so for a given recall more buckets and rounds with a short K cost less than few
+  buckets with a long K.
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -199,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lsh_num_hashes", type=int, default=4)
     p.add_argument("--lsh_chunk_length", type=int, default=64)
     p.add_argument("--far_position_group", type=int, default=8, help="G of lsh_grouped (reads about G (N - W))")
-    p.add_argument("--centred_buckets", type=int, default=64, help="LSH buckets per round of lsh_heads_centred")
-    p.add_argument("--centred_hashes", type=int, default=8, help="LSH hash rounds of lsh_heads_centred")
-    p.add_argument("--centred_chunks_before", type=int, default=8,
+    p.add_argument("--centred_buckets", type=int, default=256, help="LSH buckets per round of lsh_heads_centred")
+    p.add_argument("--centred_hashes", type=int, default=16, help="LSH hash rounds of lsh_heads_centred")
+    p.add_argument("--centred_chunks_before", type=int, default=2,
                    help="lsh_num_chunks_before of lsh_heads_centred: a query reads the K = this x --lsh_chunk_length "
                         "most recent keys of its bucket in each round")
     p.add_argument("--dynamic_factor", type=float, default=2.0, help="factor of source_dynamic's rope scaling")

@@ -47,10 +47,12 @@ def centre_lsh_keys(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"input_ids of shape {list(input_ids.shape)}; pass [batch, length] token ids of a "
                          "calibration text, length > 0.")
     was_training = model.training
+    previous = {index: part.layer.lsh_key_centre.clone() for index, part in parts.items()}
     model.eval()
     for part in parts.values():
         part.layer.lsh_key_centre.zero_()
         part.key_record = []
+    centres = previous  # kept if the forward fails (a bad mask, too little memory): nothing is lost
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         centres = {}
@@ -59,9 +61,8 @@ def centre_lsh_keys(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
             count = torch.stack([n for _, n in part.key_record]).sum()
             centres[index] = (sums / count).to(part.layer.lsh_key_centre.dtype)
     finally:
-        for part in parts.values():
+        for index, part in parts.items():
             part.key_record = None
+            part.layer.lsh_key_centre.copy_(centres[index])
         model.train(was_training)
-    for index, part in parts.items():
-        part.layer.lsh_key_centre.copy_(centres[index])
     return centres

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attnzoo import ZooHybridConfig
-from attnzoo.convert.lsh_key_centres import centre_lsh_keys
+from attnzoo.convert.lsh_key_centres import centre_lsh_keys, centred_lsh_parts
 from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.lsh_window import LSHFarPart
 from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
@@ -147,3 +147,15 @@ def test_a_checkpoint_without_centres_loads_with_centring_on_at_zero_and_reports
     assert [b.abs().max().item() for n, b in model.named_buffers() if n.endswith("lsh_key_centre")] == [0.0, 0.0]
     ids = torch.randint(1, 37, (1, 20))
     torch.testing.assert_close(model.eval()(ids).logits, plain(ids).logits, rtol=0, atol=0)
+
+
+def test_a_failed_calibration_keeps_the_centres_it_had():
+    torch.manual_seed(0)
+    model = with_random_centres(AutoModelForCausalLM.from_config(config()).eval())
+    before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("lsh_key_centre")}
+    with pytest.raises(ValueError):  # a mask of another length: the forward refuses it
+        centre_lsh_keys(model, torch.randint(1, 37, (1, 12)), attention_mask=torch.ones(1, 5, dtype=torch.long))
+    for name, buffer in model.named_buffers():
+        if name in before:
+            torch.testing.assert_close(buffer, before[name], rtol=0, atol=0)
+    assert all(part.key_record is None for part in centred_lsh_parts(model).values())

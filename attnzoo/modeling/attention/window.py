@@ -242,14 +242,21 @@ class NearPart:
     def step(self, q, keys, values, allowed, sink_q=None, far=None):
         """One query per row, q [B, H, 1, d], over the ring's keys and values [B, kv_heads, S + W, .] (sinks first,
         the token's own key last; `ring_visible`) where `allowed` [B, S + W]: [B, H, 1, e], merged with `far`."""
-        heads = q.shape[1]
-        keys, values = repeat_kv(keys, heads), repeat_kv(values, heads)
-        scores = ring_scores(q, sink_q, keys, self.sinks) * self.scale
+        batch, heads = q.shape[:2]
+
+        def grouped(x, kv_heads):  # [B, H, 1, n] -> [B, kv_heads, H / kv_heads, n]: a head's query heads as rows
+            return None if x is None else x.reshape(batch, kv_heads, heads // kv_heads, x.shape[-1])
+
+        # the query heads of a key (value) head read its ring as one matrix product: no copy of the ring per query
+        # head (repeat_kv's copies of the keys and values were a third of a 32K-token decoding step's attention).
+        # Keys and values may differ in heads (shared QK's keys have a head per query head).
+        scores = ring_scores(grouped(q, keys.shape[1]), grouped(sink_q, keys.shape[1]), keys, self.sinks)
+        scores = scores.reshape(batch, heads, 1, -1) * self.scale
         masked_value, own_value = mask_values(scores.dtype)
         scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
         if self.penalises_own_key:
             scores = torch.cat([scores[..., :-1], torch.full_like(scores[..., -1:], own_value)], -1)
-        out = scores.softmax(-1) @ values
+        out = (grouped(scores.softmax(-1), values.shape[1]) @ values).reshape(batch, heads, 1, values.shape[-1])
         return out if far is None else merge_far(out, scores.logsumexp(-1), *far)
 
     def reference(self, q, k, v, valid, sink_q=None, far=None):

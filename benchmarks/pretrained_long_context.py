@@ -23,6 +23,9 @@ Designs (each a named conversion of the source, converted once into --models_dir
   32-token blocks found; at 16K, query blocks of 32 (the prompt's last token selecting with the filler before the
   question) lost the answer's first token to " a", and query blocks of 4 found it (`--block_size 128 --block_topk
   4 --block_query_size 128` runs InfLLM's sizes as another setup);
+- `block_fixed_wide`: `block_fixed` reading --wide_block_topk blocks (64 of 32 keys: 2,048 far keys a query), the
+  reference for the loss goal: every head retrieves, more blocks than `block_fixed`, and its decoding state is the
+  source's KV cache (the loss `block_heads` leaves on the document is not in a few heads: see docs/long_context.md);
 - `block_bounded`: `block_fixed`'s far part in the --retrieval_top layers that read a far pass key most in the
   source (`attnzoo.evaluation.retrieval_layers`: the source's own attention weights on the key line, on pass-key
   prompts of --calibration_length tokens with the key at least window_size back; no training), window + sinks in
@@ -130,8 +133,9 @@ README = ROOT / "README.md"
 MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-context:end -->")
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
-DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_bounded",
-                "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred")
+DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_fixed_wide",
+                "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
+                "lsh_heads_centred")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -184,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block_topk", type=int, default=16, help="blocks each query block of block_fixed reads")
     p.add_argument("--block_query_size", type=int, default=4,
                    help="queries per query block of block_fixed (a divisor of --block_size; see the docstring)")
+    p.add_argument("--wide_block_topk", type=int, default=64,
+                   help="blocks each query block of block_fixed_wide reads (block_fixed's other settings)")
     p.add_argument("--retrieval_top", type=int, default=6, help="layers of block_bounded that keep the far part")
     p.add_argument("--calibration_length", type=int, default=4096,
                    help="tokens of block_bounded's calibration prompts (at most the source's training length)")
@@ -240,10 +246,10 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1] (0: key at the start, 1: right before "
                           "the question).")
     positive = ("trials", "long_trials", "long_length", "digits", "window_size", "block_size", "block_topk",
-                "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads", "attribution_prompts",
-                "attribution_steps", "calibration_length", "calibration_prompts", "lsh_num_hashes",
-                "lsh_chunk_length", "far_position_group", "centred_hashes", "centred_chunks_before", "threads",
-                "ruler_samples", "ruler_long_samples")
+                "wide_block_topk", "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads",
+                "attribution_prompts", "attribution_steps", "calibration_length", "calibration_prompts",
+                "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "centred_hashes",
+                "centred_chunks_before", "threads", "ruler_samples", "ruler_long_samples")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
@@ -327,6 +333,9 @@ def design_specs(args) -> dict[str, dict]:
         "window": {"family": "window", "model": window},
         "block_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
                                                       "far_positions": ["fixed"], **block}},
+        "block_fixed_wide": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
+                                                           "far_positions": ["fixed"],
+                                                           **block, "block_topk": args.wide_block_topk}},
         "block_bounded": {"family": "hybrid", "model": {**window, **block},
                           "retrieval_layers": {"top": args.retrieval_top, "far_kind": "block_window",
                                                "far_positions": "fixed",

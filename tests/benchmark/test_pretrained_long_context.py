@@ -16,7 +16,8 @@ from tests.scripts_helpers import ROOT, load_module, save_tiny_llama
 bench = load_module(ROOT / "benchmarks", "pretrained_long_context")
 #: a window of 32 (+ 4 sinks) in 320-token prompts: every far part has far keys to read; past the source's 256
 #: positions, so the rope designs run too
-SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "2", "--lsh_chunk_length", "16",
+SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "1", "--wide_block_topk", "2",
+         "--lsh_chunk_length", "16",
          "--lsh_num_hashes", "2", "--far_position_group", "4", "--threads", "1", "--lengths", "320",
          "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
          "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
@@ -77,6 +78,11 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert len(saved["calibration"]["block_bounded"]["layer_scores"]) == 1
     bounded = json.loads(next((tmp_path / "models").glob("block_bounded-*/config.json")).read_text())
     assert bounded["attn_layers"] == ["block_window"]
+    # block_fixed_wide: block_fixed's layout with its own number of blocks
+    fixed, wide = (json.loads(next((tmp_path / "models").glob(f"{name}-*/config.json")).read_text())
+                   for name in ("block_fixed", "block_fixed_wide"))
+    assert (fixed["block_topk"], wide["block_topk"]) == (1, 2)
+    assert {k: v for k, v in wide.items() if k != "block_topk"} == {k: v for k, v in fixed.items() if k != "block_topk"}
     # block_attributed: calibrated on block_fixed's own far parts (their attributions, one per layer)
     attributed = json.loads(next((tmp_path / "models").glob("block_attributed-*/calibration.json")).read_text())
     assert attributed["method"] == "attribution" and attributed["far_layers"] == [0] and attributed["top"] == [0]
@@ -134,7 +140,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert "| window |" in bench.table(saved) and "320" in bench.table(saved)
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
-    assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed", "block_heads",
+    assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
+                                                 "block_fixed_wide", "block_heads",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
                                                  "window"]
 
@@ -184,7 +191,8 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
 @pytest.mark.parametrize("flag, value", [("--designs", "nope"), ("--lengths", "8"), ("--depths", "1.5"),
                                          ("--fillers", "lorem"), ("--trials", "0"), ("--dtype", "int8"),
                                          ("--sink_positions", "middle"), ("--block_query_size", "5"),
-                                         ("--centred_buckets", "5"), ("--centred_hashes", "0")])
+                                         ("--centred_buckets", "5"), ("--centred_hashes", "0"),
+                                         ("--wide_block_topk", "0")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),

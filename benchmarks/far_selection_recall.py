@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import cpu_environment, measure_missing_rows, rows_report_check, save_figure  # noqa: E402
-from owned_outputs import exit_on_refusal, read_report, report_target, write_report  # noqa: E402
+from owned_outputs import Refused, read_report, report_target, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_selection_recall.json"
@@ -45,6 +45,10 @@ KEY = ("length", "depth", "trial")
 #: (buckets, rounds) of the LSH rules
 HASHINGS = ["8x8", "16x16", "8x32", "16x32", "64x32"]
 VARIANTS = ("raw", "centred", "mips")
+
+
+class BadArgument(ValueError):
+    """An argument that cannot work; the message names it and the fix."""
 
 
 def default_model() -> str | None:
@@ -57,13 +61,13 @@ def rule_names(hashings: list[str]) -> list[str]:
 
 
 def parse_hashing(text: str) -> tuple[int, int]:
-    """'BxR' -> (buckets, rounds); ValueError naming --hashings and the fix."""
+    """'BxR' -> (buckets, rounds); BadArgument naming --hashings and the fix."""
     try:
         buckets, rounds = (int(part) for part in text.split("x"))
     except ValueError:
-        raise ValueError(f"--hashings {text!r}: give BUCKETSxROUNDS, e.g. 16x32.") from None
+        raise BadArgument(f"--hashings {text!r}: give BUCKETSxROUNDS, e.g. 16x32.") from None
     if buckets < 2 or buckets % 2 or rounds < 1:
-        raise ValueError(f"--hashings {text!r}: give an even number of buckets >= 2 and rounds >= 1.")
+        raise BadArgument(f"--hashings {text!r}: give an even number of buckets >= 2 and rounds >= 1.")
     return buckets, rounds
 
 
@@ -78,7 +82,7 @@ def recorded_selections(model, record: list):
         for layer in far_layers(model).values():
             far = layer.far
             if not hasattr(far, "query_size"):
-                raise ValueError(f"--model: layer {layer.layer_idx}'s far part ({type(far).__name__}) is not block "
+                raise BadArgument(f"--model: layer {layer.layer_idx}'s far part ({type(far).__name__}) is not block "
                                  "retrieval; give a design with block_window far parts (e.g. block_heads).")
 
             def parallel(x, original=far.parallel, far=far):
@@ -216,17 +220,17 @@ def main(argv=None) -> dict | None:
     args = parser.parse_args(argv)
     model = args.model or default_model()
     if model is None or not (Path(model) / "config.json").is_file():
-        raise ValueError(f"--model {model}: give a saved converted design with block_window far parts (run "
+        raise BadArgument(f"--model {model}: give a saved converted design with block_window far parts (run "
                          "benchmarks/pretrained_long_context.py --designs block_heads first for the default).")
     for hashing in args.hashings:
         parse_hashing(hashing)
     for name in ("trials", "threads", "digits"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name}={getattr(args, name)}: give a positive integer.")
+            raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
     if any(not 0 <= d <= 1 for d in args.depths):
-        raise ValueError(f"--depths {args.depths}: give fractions in [0, 1].")
+        raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1].")
     if any(n < 64 for n in args.lengths):
-        raise ValueError(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
+        raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
     rules = rule_names(args.hashings)
     setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits, "rules": rules}
     target = report_target(args.results, setup, validate, LABEL)
@@ -249,4 +253,7 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    exit_on_refusal(main, LABEL)
+    try:
+        main()
+    except (BadArgument, Refused) as error:
+        raise SystemExit(f"{LABEL}: error: {error}") from None

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import cpu_environment, measure_missing_rows, rows_report_check, save_figure  # noqa: E402
-from owned_outputs import Refused, read_report, report_target, write_report  # noqa: E402
+from owned_outputs import BadArgument, exit_on_refusal, read_report, report_target, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_selection_recall.json"
@@ -46,9 +46,6 @@ KEY = ("length", "depth", "trial")
 HASHINGS = ["8x8", "16x16", "8x32", "16x32", "64x32"]
 VARIANTS = ("raw", "centred", "mips")
 
-
-class BadArgument(ValueError):
-    """An argument that cannot work; the message names it and the fix."""
 
 
 def default_model() -> str | None:
@@ -253,7 +250,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (BadArgument, Refused) as error:
-        raise SystemExit(f"{LABEL}: error: {error}") from None
+    exit_on_refusal(main, LABEL)

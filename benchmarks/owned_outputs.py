@@ -56,11 +56,17 @@ class Refused(ValueError):
     """A benchmark refused to write or read something; nothing was written. The message names the file and the fix."""
 
 
+class BadArgument(ValueError):
+    """A benchmark's argument that cannot work, found before anything is loaded or written; the message names the
+    argument and the fix."""
+
+
 def exit_on_refusal(main: Callable, script: str) -> None:
-    """Run a benchmark's `main()`; a refusal ends it with its one-line message (no traceback) and exit status 1."""
+    """Run a benchmark's `main()`; a refusal or a bad argument ends it with its one-line message (no traceback) and
+    exit status 1."""
     try:
         main()
-    except Refused as error:
+    except (Refused, BadArgument) as error:
         raise SystemExit(f"{script}: error: {error}") from None
 
 

@@ -117,9 +117,10 @@ from harness import (  # noqa: E402
     write_between_markers,
 )
 from owned_outputs import (  # noqa: E402
+    BadArgument,
     OutputFolder,
-    Refused,
     as_recorded,
+    exit_on_refusal,
     publishes_tables,
     read_report,
     report_target,
@@ -152,9 +153,6 @@ RULER_GEN_TOKENS = 128
 #: lm_head applied to this many positions at a time (the full logits of 64K tokens would take 13 GB)
 LOSS_CHUNK = 1024
 
-
-class BadArgument(ValueError):
-    """An argument that cannot work; the message names it and the fix."""
 
 
 # -- arguments ------------------------------------------------------------------------------------------------------
@@ -996,7 +994,4 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (BadArgument, Refused) as error:
-        raise SystemExit(f"{LABEL}: error: {error}") from None
+    exit_on_refusal(main, LABEL)

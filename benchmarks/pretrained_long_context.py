@@ -317,6 +317,7 @@ def design_specs(args) -> dict[str, dict]:
     window = {"window_size": args.window_size, "num_sink_tokens": args.num_sink_tokens,
               "sink_positions": args.sink_positions}
     block = {"block_size": args.block_size, "block_topk": args.block_topk, "block_query_size": args.block_query_size}
+    every_head_blocks = {**window, "attn_layers": ["block_window"], "far_positions": ["fixed"], **block}
     # block_attributed's and block_heads' calibration: block_fixed's far parts, attributed (the same scores)
     attribution = {"method": "attribution", "of": "block_fixed", "far_kind": "block_window", "far_positions": "fixed",
                    "length": args.calibration_length, "min_distance": args.calibration_distance or args.window_size,
@@ -329,11 +330,8 @@ def design_specs(args) -> dict[str, dict]:
         "source_linear": {"rope": {"rope_type": "linear", "factor": "length / max_position_embeddings"}},
         "source_dynamic": {"rope": {"rope_type": "dynamic", "factor": args.dynamic_factor}},
         "window": {"family": "window", "model": window},
-        "block_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
-                                                      "far_positions": ["fixed"], **block}},
-        "block_fixed_wide": {"family": "hybrid", "model": {**window, "attn_layers": ["block_window"],
-                                                           "far_positions": ["fixed"],
-                                                           **block, "block_topk": args.wide_block_topk}},
+        "block_fixed": {"family": "hybrid", "model": every_head_blocks},
+        "block_fixed_wide": {"family": "hybrid", "model": {**every_head_blocks, "block_topk": args.wide_block_topk}},
         "block_bounded": {"family": "hybrid", "model": {**window, **block},
                           "retrieval_layers": {"top": args.retrieval_top, "far_kind": "block_window",
                                                "far_positions": "fixed",

@@ -109,7 +109,7 @@ def test_cached_decoding_equals_the_full_forward(name, scale, positions):
     model = AutoModelForCausalLM.from_config(config(attn_layers=[kind], far_query_scale=scale,
                                                     **positions_settings(positions), **settings)).double().eval()
     cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
-    assert "window_far_k" in cache.layers[0].state  # the window keeps the keys as the far part sees them, to hand over
+    assert "ring_far_k" in cache.layers[0].state  # the window keeps the keys as the far part sees them, to hand over
 
 
 def assert_decoding_equals_the_full_forward(model, length: int, prefill: int, padding: int):

@@ -141,7 +141,7 @@ def test_decoding_across_chunk_completions_equals_the_full_forward_and_stores_no
         steps.append(out.logits)
         slot, lara_slot = output_cache(out).layers[0], output_cache(reference).layers[0]
         state = far_state(slot)
-        ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
+        ring = {"ring_k", "ring_v", "ring_pos", "count"}
         assert set(state) == {"k_hat", "v", "omega", "mu", "q_bar", "kv_sum", "key_sum", "key_level", "q_sum",
                               "k_sum"}
         assert set(slot.state) == ring | {FAR_STATE + name for name in state}

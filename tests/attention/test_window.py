@@ -78,7 +78,14 @@ def test_decoding_state_stays_sinks_plus_window_and_equals_the_full_forward():
         for layer in output_cache(out).layers:
             assert isinstance(layer, WindowStateLayer)
             held = {name: tuple(t.shape) for name, t in layer.state.items()}
-            assert held["window_k"] == (2, 2, 4, 8) and held["sink_k"] == (2, 2, 2, 8)  # S + W, never more
+            assert held["ring_k"] == held["ring_v"] == (2, 2, 2 + 4, 8)  # S + W, never more
+            # the sinks in the first S slots, the token at position p in slot S + p mod W (rows count real tokens)
+            count = mask[:, :t + 1].sum(-1)
+            for row in range(2):
+                expected = [0, 1] + [-1] * 4
+                for p in range(max(int(count[row]) - 4, 0), int(count[row])):
+                    expected[2 + p % 4] = p
+                assert layer.state["ring_pos"][row].tolist() == expected
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
 

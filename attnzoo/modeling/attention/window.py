@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from attnzoo.modeling.attention.base import check_attention_mask
-from attnzoo.modeling.cache import RecurrentStateLayer
+from attnzoo.modeling.cache import RecurrentStateLayer, write_at_rows
 from attnzoo.ops.chunked_attention import mask_values
 from attnzoo.ops.window_attention import merge_far, window_attention
 from attnzoo.ops.window_attention.rule import beyond_window, in_window, outside_window  # noqa: F401  (the rule)
@@ -106,74 +106,101 @@ def restore_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 # -- the decoding ring of the near part ---------------------------------------------------------------------------
 # Its tensors live in a cache slot's `state` dict (a `RecurrentStateLayer`'s, or a subclass's), so a windowed layer
-# keeps its far part's state beside them in the same slot: the sinks' keys and values [B, kv_heads, S, d] with their
-# validity [B, S], the last W tokens' keys and values [B, kv_heads, W, d] with their positions [B, W] (-1: empty),
-# and the number of real tokens seen per row [B]. Its size does not grow with the context.
+# keeps its far part's state beside them in the same slot: the keys and values of the sinks and of the last W tokens
+# in one buffer each, `ring_k` and `ring_v` [B, kv_heads, S + W, d] (the sinks in the first S slots, the token at
+# position p in slot S + p mod W), the positions their slots hold, `ring_pos` [B, S + W] (-1: empty), and the number of
+# real tokens seen per row, `count` [B]. Its size does not grow with the context. A step writes its token into its
+# slot in place and reads the buffers whole: the attention is the same whatever the order of the keys, so the ring is
+# never shifted or concatenated (shifting it and joining it to the sinks copied the window's keys and values three
+# times a step and layer, a tenth of a SmolLM2 decoding step at any length).
+def _window_slot(position, window: int, sinks: int):
+    """[B] the ring slot of the token at `position` [B]: S + position mod W."""
+    return sinks + torch.remainder(position, window)
+
+
 def ring_start(k, v, n_real, window: int, sinks: int, far_k=None) -> dict[str, torch.Tensor]:
     """The ring after a prefill of left-aligned keys/values [B, kv_heads, L, d] with `n_real` [B] real tokens:
-    sinks = the first S real tokens, window = the last W real tokens of each row. `far_k`: the keys as a far part
-    sees them, when they are not `k` (a far part without positions): the window keeps those too, for the far part to
-    take when they leave."""
+    sinks = the first S real tokens, window = the last W real tokens of each row, each in its slot. `far_k`: the keys
+    as a far part sees them, when they are not `k` (a far part without positions): the window keeps those too
+    (`ring_far_k` [B, kv_heads, W, d], position p in slot p mod W), for the far part to take when they leave."""
     batch, kv_heads, length, dim = k.shape
     device = k.device
-    sink_index = torch.arange(sinks, device=device)
-    sink_take = sink_index.clamp(max=max(length - 1, 0))[None].expand(batch, -1)
-    window_index = n_real[:, None] - window + torch.arange(window, device=device)[None]  # the last W real positions
-    window_take = window_index.clamp(0, max(length - 1, 0))
+    sink_pos = torch.arange(sinks, device=device)[None].expand(batch, -1)
+    first = n_real[:, None] - window  # the window's oldest position (negative: not yet full)
+    slots = torch.arange(window, device=device)[None]
+    window_pos = first + torch.remainder(slots - first, window)  # the position in window slot j: the one = j mod W
+    positions = torch.cat([torch.where(sink_pos < n_real[:, None], sink_pos, -1),
+                           torch.where(window_pos >= 0, window_pos, -1)], dim=1)  # [B, S + W]
+    take_at = positions.clamp(0, max(length - 1, 0))
 
     def take(x, index):
         return x.gather(2, index[:, None, :, None].expand(batch, x.shape[1], index.shape[1], x.shape[3]))
 
-    ring = {"sink_k": take(k, sink_take), "sink_v": take(v, sink_take),
-            "sink_valid": sink_index[None] < n_real[:, None], "window_k": take(k, window_take),
-            "window_v": take(v, window_take), "window_pos": torch.where(window_index >= 0, window_index, -1),
-            "count": n_real.clone()}
+    ring = {"ring_k": take(k, take_at), "ring_v": take(v, take_at), "ring_pos": positions, "count": n_real.clone()}
     if far_k is not None:
-        ring["window_far_k"] = take(far_k, window_take)
+        ring["ring_far_k"] = take(far_k, take_at[:, sinks:])
     return ring
+
+
+def _row_at(store, slot):
+    """store [B, h, N, d] read at `slot` [B]: [B, h, 1, d] (a copy)."""
+    return store.gather(2, slot.view(-1, 1, 1, 1).expand(-1, store.shape[1], 1, store.shape[3]))
 
 
 def ring_leaving(state, real, window: int, sinks: int):
     """(k, v [B, kv_heads, 1, d], joins [B]) of the key that leaves the window when a token at position
-    `state["count"]` arrives: the ring's oldest (as the far part sees it), which joins the far keys when the token is
-    real and that key is at position count - W and not a sink."""
-    position, leaving_pos = state["count"], state["window_pos"][:, 0]
-    joins = real & (leaving_pos == position - window) & beyond_window(position, leaving_pos, window, sinks)
-    return state.get("window_far_k", state["window_k"])[:, :, :1], state["window_v"][:, :, :1], joins
-
-
-def ring_append(state, k, v, real, sinks: int, far_k=None) -> dict[str, torch.Tensor]:
-    """The ring's tensors after one new token per row (k, v [B, kv_heads, 1, d]) when `real` [B]: into its sink slot
-    while fewer than S tokens were seen, and into the window (the oldest token leaves). Padded tokens change
-    nothing. Returns the new tensors; the caller stores them."""
+    `state["count"]` arrives: the one in the token's slot (as the far part sees it), which joins the far keys when
+    the token is real and that key is at position count - W and not a sink. Copies, read before the token's write."""
     position = state["count"]
-    gate = real[:, None, None, None]
-    new = {}
-    if sinks:
-        slot = (torch.arange(sinks, device=k.device)[None] == position[:, None]) & real[:, None]  # [B, S]
-        new["sink_k"] = torch.where(slot[:, None, :, None], k, state["sink_k"])
-        new["sink_v"] = torch.where(slot[:, None, :, None], v, state["sink_v"])
-        new["sink_valid"] = state["sink_valid"] | slot
-    new["window_k"] = torch.where(gate, torch.cat([state["window_k"][:, :, 1:], k], 2), state["window_k"])
-    new["window_v"] = torch.where(gate, torch.cat([state["window_v"][:, :, 1:], v], 2), state["window_v"])
-    new["window_pos"] = torch.where(real[:, None], torch.cat([state["window_pos"][:, 1:], position[:, None]], 1),
-                                    state["window_pos"])
+    slot = _window_slot(position, window, sinks)
+    leaving_pos = state["ring_pos"].gather(1, slot[:, None])[:, 0]
+    joins = real & (leaving_pos == position - window) & beyond_window(position, leaving_pos, window, sinks)
+    far_k = state.get("ring_far_k")
+    leaving_k = _row_at(state["ring_k"], slot) if far_k is None else _row_at(far_k, slot - sinks)
+    return leaving_k, _row_at(state["ring_v"], slot), joins
+
+
+def ring_append(state, k, v, real, window: int, sinks: int, far_k=None) -> dict[str, torch.Tensor]:
+    """The ring's tensors after one new token per row (k, v [B, kv_heads, 1, d]) when `real` [B]: into its sink slot
+    while fewer than S tokens were seen, and into its window slot (over the token W before it), both in place
+    (`write_at_rows`). Padded tokens change nothing. Returns the tensors; the caller stores them."""
+    position = state["count"]
+    ring_k, ring_v, ring_pos = state["ring_k"], state["ring_v"], state["ring_pos"][:, None]
+    new_pos = position.view(-1, 1, 1)
+    writes = [(_window_slot(position, window, sinks), real)]
+    if sinks:  # while a row has seen fewer than S real tokens, its token is also a sink
+        writes.append((position.clamp(max=sinks - 1), real & (position < sinks)))
+    for slot, gate in writes:
+        keep = gate.view(-1, 1, 1, 1)
+        # a row that does not write puts back what its slot held
+        ring_k = write_at_rows(ring_k, slot, torch.where(keep, k, _row_at(ring_k, slot)), ring_k.shape[2])
+        ring_v = write_at_rows(ring_v, slot, torch.where(keep, v, _row_at(ring_v, slot)), ring_v.shape[2])
+        held = ring_pos.gather(2, slot.view(-1, 1, 1))
+        ring_pos = write_at_rows(ring_pos, slot, torch.where(keep[..., 0], new_pos, held), ring_pos.shape[2])
+    new = {"ring_k": ring_k, "ring_v": ring_v, "ring_pos": ring_pos[:, 0], "count": position + real.long()}
     if far_k is not None:
-        new["window_far_k"] = torch.where(gate, torch.cat([state["window_far_k"][:, :, 1:], far_k], 2),
-                                          state["window_far_k"])
-    new["count"] = position + real.long()
+        slot = _window_slot(position, window, 0)
+        keep = real.view(-1, 1, 1, 1)
+        new["ring_far_k"] = write_at_rows(state["ring_far_k"], slot,
+                                          torch.where(keep, far_k, _row_at(state["ring_far_k"], slot)),
+                                          state["ring_far_k"].shape[2])
     return new
 
 
 def ring_visible(state, position, window: int, sinks: int):
     """(keys, values [B, kv_heads, S + W, d], allowed [B, S + W]) that a token at `position` [B] attends to: the
-    sinks outside its window, and the ring."""
-    sink_pos = torch.arange(sinks, device=position.device)[None]
-    sink_allowed = state["sink_valid"] & outside_window(position[:, None], sink_pos, window)
-    allowed = torch.cat([sink_allowed, state["window_pos"] >= 0], dim=1)
+    sinks outside its window, and the window's slots that hold a token (the token's own is slot S + position mod W,
+    `own_slot`). The buffers themselves: no copy."""
+    pos = state["ring_pos"]
+    sink_allowed = (pos[:, :sinks] >= 0) & outside_window(position[:, None], pos[:, :sinks], window)
+    allowed = torch.cat([sink_allowed, pos[:, sinks:] >= 0], dim=1)
     allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
-    return (torch.cat([state["sink_k"], state["window_k"]], 2), torch.cat([state["sink_v"], state["window_v"]], 2),
-            allowed)
+    return state["ring_k"], state["ring_v"], allowed
+
+
+def own_slot(position, window: int, sinks: int):
+    """[B] the ring slot of a token's own key (`ring_visible`'s order)."""
+    return _window_slot(position, window, sinks)
 
 
 class WindowStateLayer(RecurrentStateLayer):
@@ -187,7 +214,7 @@ class WindowStateLayer(RecurrentStateLayer):
         self.store(k.shape[2], **ring_start(k, v, n_real, self.window_size, self.sinks))
 
     def append(self, k, v, real) -> None:
-        self.store(1, **ring_append(self.state, k, v, real, self.sinks))
+        self.store(1, **ring_append(self.state, k, v, real, self.window_size, self.sinks))
 
     def visible(self, position):
         return ring_visible(self.state, position, self.window_size, self.sinks)
@@ -239,9 +266,10 @@ class NearPart:
                                     training=training)
         return out if far is None else merge_far(out, lse, *far)
 
-    def step(self, q, keys, values, allowed, sink_q=None, far=None):
-        """One query per row, q [B, H, 1, d], over the ring's keys and values [B, kv_heads, S + W, .] (sinks first,
-        the token's own key last; `ring_visible`) where `allowed` [B, S + W]: [B, H, 1, e], merged with `far`."""
+    def step(self, q, keys, values, allowed, sink_q=None, far=None, own=None):
+        """One query per row, q [B, H, 1, d], over the ring's keys and values [B, kv_heads, S + W, .] (sinks first;
+        `ring_visible`) where `allowed` [B, S + W]: [B, H, 1, e], merged with `far`. `own` [B]: the slot of each
+        token's own key (`own_slot`), which `penalises_own_key` scores apart."""
         batch, heads = q.shape[:2]
 
         def grouped(x, kv_heads):  # [B, H, 1, n] -> [B, kv_heads, H / kv_heads, n]: a head's query heads as rows
@@ -255,7 +283,7 @@ class NearPart:
         masked_value, own_value = mask_values(scores.dtype)
         scores = scores.masked_fill(~allowed[:, None, None, :], masked_value)
         if self.penalises_own_key:
-            scores = torch.cat([scores[..., :-1], torch.full_like(scores[..., -1:], own_value)], -1)
+            scores = scores.scatter(-1, own.view(-1, 1, 1, 1).expand(batch, heads, 1, 1), own_value)
         out = (grouped(scores.softmax(-1), values.shape[1]) @ values).reshape(batch, heads, 1, values.shape[-1])
         return out if far is None else merge_far(out, scores.logsumexp(-1), *far)
 

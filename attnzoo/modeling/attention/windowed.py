@@ -96,6 +96,7 @@ from attnzoo.modeling.attention.window import (
     gather_tokens,
     left_align,
     new_token_inputs,
+    own_slot,
     real_positions,
     restore_order,
     ring_append,
@@ -438,8 +439,8 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
         when that is not `q`."""
         state = layer.state
         position = state["count"]  # [B]: this token's position when real
-        leaving = ring_leaving(state, real, self.window_size, self.sinks)
-        ring = ring_append(state, k, v, real, self.sinks, far_k)  # the tensors that change (no sinks: none of theirs)
+        leaving = ring_leaving(state, real, self.window_size, self.sinks)  # copies, before the token's write
+        ring = ring_append(state, k, v, real, self.window_size, self.sinks, far_k)  # written in place
         keys, values, allowed = ring_visible({**state, **ring}, position, self.window_size, self.sinks)
         far, far_entries = None, {}
         if self.far is not None:
@@ -449,7 +450,8 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
             far_entries = {FAR_STATE + name: t for name, t in (far.state or {}).items()}
             far = far[:3]
         layer.store(1, **ring, **far_entries)
-        return self.near.step(q, self._near_keys(keys), values, allowed, sink_q, far)
+        return self.near.step(q, self._near_keys(keys), values, allowed, sink_q, far,
+                              own_slot(position, self.window_size, self.sinks))
 
     # -- reference --------------------------------------------------------------------------------------------------
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):

@@ -60,6 +60,12 @@ class ZooReformerSettings(ZooConfig):
             share a query's bucket. A pretrained model's keys share a large common direction that its queries do
             not, so uncentred angular hashing puts the keys in a few buckets and the queries in others
             (docs/lsh_attention.md, "Centred keys").
+        lsh_group_rotations: with separate queries and keys, the query heads that share a key-value head hash with
+            one set of rotations (their group's), so each key is hashed once per round for its group rather than
+            once per query head: a grouped-query model (SmolLM2's 3 query heads a key head) hashes a third as many
+            keys and its decoding index is a third the size. Each query head still has its own buckets and
+            candidates; what changes is that the group's heads draw no rotations of their own
+            (docs/lsh_attention.md, "Grouped rotations").
         lsh_attention_probs_dropout_prob / local_attention_probs_dropout_prob: dropout on the attention
             probabilities (`None`: `attention_probs_dropout_prob`).
         local_chunk_length / local_num_chunks_before / local_num_chunks_after: local attention's chunks and look-back
@@ -80,6 +86,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_duplicate_correction: bool = True
     lsh_shared_qk: bool = True
     lsh_centre_keys: bool = False
+    lsh_group_rotations: bool = False
     lsh_attention_probs_dropout_prob: float | None = None
 
     local_chunk_length: int = 64
@@ -124,6 +131,12 @@ class ZooReformerSettings(ZooConfig):
         if self.lsh_centre_keys and self.lsh_shared_qk:
             fail("lsh_centre_keys", self.lsh_centre_keys, "shared-QK keys are the normalised queries, hashed as the "
                                                           "queries are; set lsh_shared_qk=False to centre keys apart.")
+        check_choice(self, "lsh_group_rotations", (True, False))
+        if self.lsh_group_rotations and self.lsh_shared_qk:
+            fail("lsh_group_rotations", self.lsh_group_rotations, "shared-QK keys are the queries themselves, one per "
+                                                                  "query head, hashed with that head's rotations; "
+                                                                  "set lsh_shared_qk=False to share rotations within "
+                                                                  "a key-value group.")
         check_probability(self, "lsh_attention_probs_dropout_prob", optional=True)
         check_probability(self, "local_attention_probs_dropout_prob", optional=True)
 

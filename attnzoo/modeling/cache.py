@@ -137,8 +137,8 @@ class RecurrentStateLayer(SelfManagedCacheLayer):
 #: A token buffer's spare room when it grows, as a fraction of what it holds (at least `MIN_SPARE_TOKENS`, where a
 #: buffer is short and its copy cheap). The buffer is then copied once every capacity / 512 steps (on average 512
 #: token rows a step, whatever the length, instead of the whole buffer), and holds at most 0.4% more than its tokens
-#: from 1,024 tokens on: a KV cache holds them exactly, and `lsh_window`'s bucket indices already take 4.7 of the 5%
-#: over a KV cache its state may hold (doubling would hold up to twice the tokens).
+#: from 1,024 tokens on: a KV cache holds them exactly, and `lsh_window`'s bucket index already takes up to 4.7 of the
+#: 5% over a KV cache its state may hold (doubling would hold up to twice the tokens).
 SPARE_FRACTION = 512
 MIN_SPARE_TOKENS = 4
 

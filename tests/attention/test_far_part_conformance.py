@@ -12,7 +12,8 @@ VARIANTS = {
     "favor": [{"feature_redraw": "learned"}],
     "lara": [{"lara_weighting": "query_specific"}],
     "ra": [{"ra_variant": "biased"}],
-    "lsh": [{"lsh_attend_to": "chunk"}, {"lsh_shared_qk": False}],
+    "lsh": [{"lsh_attend_to": "chunk"}, {"lsh_shared_qk": False},
+            {"lsh_shared_qk": False, "lsh_group_rotations": True}],
     "block": [{"block_query_size": 1}],
 }
 CASES = [("window", {}), ("window", {"sink_positions": "adjacent"})] + [

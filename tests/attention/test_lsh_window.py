@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from attnzoo import ZooHybridConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation, build_attention
 from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets
-from attnzoo.modeling.attention.lsh_hashing import inverse_permutation, normalize_keys, sort_by_bucket
+from attnzoo.modeling.attention.lsh_hashing import hash_buckets, inverse_permutation, normalize_keys, sort_by_bucket
 from attnzoo.modeling.attention.lsh_window import WindowedLSHAttention
 from attnzoo.modeling.attention.window import left_align, restore_order
 from attnzoo.modeling.attention.windowed import FAR_STATE
@@ -163,47 +163,67 @@ def test_a_far_copy_of_the_query_is_retrieved_from_beyond_the_window():
     assert (window_and_sinks_only(attn, x, mask, None)[0, 40] - recalled).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("prefill", [6, 16])
 @pytest.mark.parametrize("settings", [{"lsh_duplicate_correction": True}, {"lsh_duplicate_correction": False},
-                                      {"lsh_shared_qk": False}, {"lsh_shared_qk": False, "lsh_hash_seed": 5}])
-def test_decoding_keeps_each_key_once_and_equals_the_full_forward(settings):
+                                      {"lsh_shared_qk": False}, {"lsh_shared_qk": False, "lsh_hash_seed": 5},
+                                      {"lsh_shared_qk": False, "lsh_group_rotations": True}])
+def test_decoding_keeps_each_key_once_and_equals_the_full_forward(settings, prefill):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config(**settings)).double().eval()
     ids = torch.randint(1, 37, (2, 30))
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
     full = model(ids, attention_mask=mask).logits
-    out = model(ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+    out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
     steps = [out.logits]
-    ring = {"sink_k", "sink_v", "sink_valid", "window_k", "window_v", "window_pos", "count"}
+    ring = {"ring_k", "ring_v", "ring_pos", "count"}
     window = model.config.window_size
     key_heads = 4 if settings.get("lsh_shared_qk", True) else 2  # shared QK: one key per query head
-    for t in range(6, 24):
+    hashed_heads = 2 if settings.get("lsh_group_rotations") else 4  # grouped rotations: keys hashed per key head
+    for t in range(prefill, 24):
         out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
         steps.append(out.logits)
         slot = output_cache(out).layers[0]
-        # The window's ring, and LSH's far state: each token's buckets (indices, one per head and round), and the
-        # keys and values that have left the window (the ring holds the others), each kept once. Evaluation
-        # rotations are drawn again from the seed at every step; per-example ones (lsh_hash_seed) are kept.
-        kept = {"lsh_buckets", "lsh_keys", "lsh_values"} | ({"lsh_rotations"} if "lsh_hash_seed" in settings else set())
+        # The window's ring, and LSH's far state: the prefill's keys as a bucket index (positions in (bucket,
+        # position) order, and where each bucket's run starts), the buckets and positions of the tokens decoded
+        # since, and the keys and values that have left the window (the ring holds the others), each kept once.
+        # Evaluation rotations are drawn again from the seed at every step; per-example ones (lsh_hash_seed) are kept.
+        kept = {"lsh_sorted", "lsh_starts", "lsh_new_buckets", "lsh_new_positions", "lsh_keys", "lsh_values"} | (
+            {"lsh_rotations"} if "lsh_hash_seed" in settings else set())
         kept = {FAR_STATE + name for name in kept}  # the far part's entries, beside the ring's
         assert type(slot) is RecurrentStateLayer and set(slot.state) == ring | kept
         assert slot.state["count"].tolist() == mask[:, :t + 1].sum(-1).tolist()
-        # buffers of the tokens held, grown with a few spare tokens (cache.spare_tokens) when full
-        buckets, keys, values = (slot.state[FAR_STATE + name] for name in ("lsh_buckets", "lsh_keys", "lsh_values"))
-        assert buckets.shape[:2] == (2, 4 * 2) and buckets.dtype == torch.int16
-        assert keys.shape[::3] == (2, 8) and keys.shape[1] == key_heads
-        assert values.shape[:2] == (2, 2)  # key/value heads, not repeated
-        for name, held in (("lsh_buckets", t + 1), ("lsh_keys", t + 1 - window), ("lsh_values", t + 1 - window)):
-            assert held <= slot.state[FAR_STATE + name].shape[2] <= held + spare_tokens(held), (name, t)
+        far = {name: slot.state[FAR_STATE + name] for name in kept_names(kept)}
+        assert far["lsh_sorted"].shape == (2, hashed_heads * 2, prefill) and far["lsh_sorted"].dtype == torch.int16
+        starts = far["lsh_starts"].long()  # a run per bucket and the padding bucket's: 0 first, every key by the end
+        assert starts.shape[:2] == (2, hashed_heads * 2) and (starts.diff() >= 0).all()
+        assert (starts[..., 0] == 0).all() and (starts[..., -1] == prefill).all()
+        # each round's index lists every prefill position once
+        listed = far["lsh_sorted"].sort(-1).values.long()
+        assert torch.equal(listed, torch.arange(prefill).expand(2, hashed_heads * 2, -1))
+        assert far["lsh_new_buckets"].shape[:2] == (2, hashed_heads * 2)
+        assert far["lsh_new_buckets"].dtype == torch.int16
+        assert far["lsh_keys"].shape[::3] == (2, 8) and far["lsh_keys"].shape[1] == key_heads
+        assert far["lsh_values"].shape[:2] == (2, 2)  # key/value heads, not repeated
+        decoded = t + 1 - prefill
+        assert far["lsh_new_positions"][:, 0, :decoded].tolist() == [
+            list(range(prefill, t + 1)), list(range(prefill - 3, t - 2))]
+        for name, held in (("lsh_new_buckets", decoded), ("lsh_new_positions", decoded),
+                           ("lsh_keys", t + 1 - window), ("lsh_values", t + 1 - window)):
+            assert held <= far[name].shape[2] <= held + spare_tokens(held), (name, t)
     cache = output_cache(out)
     steps.append(model(ids[:, 24:], attention_mask=mask, cache=cache, use_cache=True).logits)  # 6 tokens at once
     real = mask.bool()[..., None]
     torch.testing.assert_close(torch.cat(steps, 1) * real, full * real, rtol=1e-9, atol=1e-10)
 
 
+def kept_names(entries):
+    return [name[len(FAR_STATE):] for name in entries]
+
+
 @pytest.mark.parametrize("tokens", [1024, 4096, 16384])
 def test_the_decoding_state_is_no_larger_than_a_kv_cache(tokens):
-    """Each token's key and value kept once, bucket membership as 2-byte indices, nothing per bucket: after a prefill
+    """Each token's key and value kept once, the bucket index as 2-byte positions, nothing per bucket: after a prefill
     of 1K-16K tokens and a step, an LSH layer (separate queries and keys, 2 key/value heads for 4 query heads, as a
     Llama converts) holds at most 1.05x what the same layer's exact attention keeps in its KV cache."""
     torch.manual_seed(0)
@@ -327,3 +347,32 @@ def test_separate_queries_and_keys_train_in_a_reversible_stack_like_plain_autogr
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(grad, results[1][1][name], rtol=1e-9, atol=1e-11, msg=named(name))
+
+
+def test_grouped_rotations_hash_each_key_once_for_its_group():
+    """With `lsh_group_rotations` a key-value group's query heads hash with its first head's rotations: keys are
+    hashed once per key-value head (2 here), each query head's key buckets are its group's, and its query buckets
+    are what its own query gets under those rotations. The layer's parallel form still equals its reference, and
+    shared QK (keys per query head) refuses the setting."""
+    attn = layer(lsh_shared_qk=False, lsh_group_rotations=True)
+    x = torch.randn(2, LENGTH, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    q, k, _, _, _, _ = attn._views(x, None, 0)
+    far = attn.far
+    query_buckets, key_buckets, rotations = far._buckets(q, k, None, None)
+    assert key_buckets.shape[1] == 2 and query_buckets.shape[1] == 4
+    factors = far.bucket_factors()
+    for head in range(4):
+        group_rotations = rotations[:, [head // 2 * 2]]
+        torch.testing.assert_close(query_buckets[:, [head]], hash_buckets(q[:, [head]], group_rotations, factors),
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(far._per_query_head(key_buckets)[:, [head]],
+                                   hash_buckets(k[:, [head // 2]], group_rotations, factors), rtol=0, atol=0)
+    # the setting changes the buckets: without it the second query head of a group hashes with its own rotations
+    ungrouped, _, _ = layer(lsh_shared_qk=False).far._buckets(q, k, None, None)
+    assert not torch.equal(ungrouped[:, 1::2], query_buckets[:, 1::2])
+    mask = torch.ones(2, LENGTH, dtype=torch.bool)
+    torch.testing.assert_close(attn(x), attn.reference_forward(x, mask), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="lsh_group_rotations"):
+        config(lsh_group_rotations=True)
+    with pytest.raises(ValueError, match="lsh_group_rotations"):
+        config(lsh_shared_qk=False, lsh_group_rotations="yes")

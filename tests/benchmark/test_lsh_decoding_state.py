@@ -31,8 +31,11 @@ def test_a_tiny_run_compares_each_cache_with_the_kv_cache_and_keeps_its_rows(tmp
     assert rows["gqa", "source"]["cache_bytes"] == 2 * 3 * head_bytes  # transformers' cache: keys and values, 3 heads
     assert rows["mha", "source"]["cache_bytes"] == 2 * 9 * head_bytes
     summary = report["summary"]
-    for shape, model in bench.GOAL_APPLIES:  # a KV cache plus 2-byte bucket indices (per query head and round)
-        assert summary[f"{shape}/{model}/128"]["state_over_kv_cache"] == pytest.approx(1.0, abs=0.03)
+    for shape, model in bench.GOAL_APPLIES:
+        # a KV cache plus the bucket index: a 2-byte position per key, head and round (2.3% of the KV cache with 9
+        # query heads on 3 key heads), and where each of the 512 buckets' runs starts (2 bytes a bucket, head and
+        # round whatever the length: 9.4% of a 128-token KV cache, 1.2% at the goal's shortest, 1K)
+        assert 1.0 < summary[f"{shape}/{model}/128"]["state_over_kv_cache"] < 1.13
         assert summary[f"{shape}/{model}/128"]["meets_goal"] is (
             summary[f"{shape}/{model}/128"]["state_over_kv_cache_after_decode"] <= bench.GOAL)
     # shared QK under grouped heads: 9 query-keys and 3 values against 3 keys and 3 values

@@ -29,13 +29,15 @@ chunked `lsh_attention` (`lsh.LSHBuckets`, the "lsh" attention's) with a `FarKey
 `chunked_attention`: the fused kernels do not read that mask), beside the blocked window scores of the near part:
 O(L · (rounds · (chunks_before + 1) · chunk_length + 2W + S)) time and memory. `lsh_full_attention_threshold` is not
 read: the exact window is this layer's full attention for nearby keys. Causal decoders only. Decoding keeps, beside
-the window's ring, each token's buckets as indices and the keys and values that have left the window, each once (no
-larger than a KV cache; the evaluation rotations are drawn again from the seed): a new token costs
-O((S + W + rounds · K) · head_dim + rounds · n). With the "bucket" setting it equals the full forward
-(docs/lsh_attention.md, §6). With `lsh_shared_qk=False` queries and keys keep their own projections and are hashed
-apart, and the far part scores each query's candidates in blocks of the keys' sorted order (docs/lsh_attention.md, §7);
-with `lsh_centre_keys` each key is hashed minus its head's centre, a buffer of the layer (scores unchanged; "Centred
-keys" there).
+the window's ring, the prefill's keys as a bucket index (each round's positions in (bucket, position) order), the
+buckets of the tokens decoded since, and the keys and values that have left the window, each once (no larger than a
+KV cache; the evaluation rotations are drawn again from the seed): a new token costs
+O((S + W + rounds · K) · head_dim + rounds · t) after t decoded tokens, whatever the prompt's length. With the
+"bucket" setting it equals the full forward (docs/lsh_attention.md, §6). With `lsh_shared_qk=False` queries and keys
+keep their own projections and are hashed apart, and the far part scores each query's candidates in blocks of the
+keys' sorted order (docs/lsh_attention.md, §7; with `lsh_group_rotations` a key-value group's query heads share
+rotations, so each key is hashed once per group); with `lsh_centre_keys` each key is hashed minus its head's centre,
+a buffer of the layer (scores unchanged; "Centred keys" there).
 """
 
 from __future__ import annotations
@@ -47,11 +49,10 @@ import torch
 from transformers import initialization as init
 
 from attnzoo.modeling.attention.chunked_attention import ChunkedAttention
-from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets, gather_grouped, grouped_rows
+from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets, grouped_rows
 from attnzoo.modeling.attention.lsh_hashing import (
     hash_buckets,
     inverse_permutation,
-    most_recent_in_bucket,
     normalize_keys,
     sort_by_bucket,
 )
@@ -114,6 +115,9 @@ class LSHFarPart(LSHBuckets, FarPart):
         self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
         self.read_lsh_settings(config)
         self.centre_keys = config.lsh_centre_keys
+        #: with `lsh_group_rotations`, a key-value group's query heads hash with the rotations of its first query
+        #: head, so keys are hashed once per key-value head
+        self.group = self.num_heads // self.num_kv_heads if config.lsh_group_rotations else 1
         if self.centre_keys:  # one centre per key-value head of this far part (zero until calibrated)
             layer.register_buffer("lsh_key_centre", torch.zeros(self.num_kv_heads, self.head_dim), persistent=True)
         #: while not None, `_hash_keys` adds [kv_heads, d] key sums and their count here (`lsh_key_centres`)
@@ -136,22 +140,60 @@ class LSHFarPart(LSHBuckets, FarPart):
         """Scores of queries q [..., T, d] against the keys retrieved for them [..., T, n, d] (shared QK: normalised,
         unscaled)."""
         keys = normalize_keys(keys) if self.shared_qk else keys
-        logits = (keys @ q.unsqueeze(-1)).squeeze(-1)  # a batched matrix-vector product, no copies of the keys
+        # the query as a row against the keys transposed: one [1, d] x [d, n] product per query, no copies of the
+        # keys (as keys @ q, a matrix-vector product, it took 4x as long on 2 cores at n = 256)
+        logits = (q.unsqueeze(-2) @ keys.transpose(-1, -2)).squeeze(-2)
         return logits if self.shared_qk else logits * self.scale
 
     # -- hashing ----------------------------------------------------------------------------------------------------
-    def _hash_keys(self, k, rotations, factors, valid):
-        """Key buckets [B, H, R, L] of keys k [B, kv_heads, L, d] (valid [B, L] or None): separate keys are hashed
-        per query head, with that head's rotations, minus their head's centre with `lsh_centre_keys`."""
+    def _query_rotations(self, rotations):
+        """The rotations each query head hashes with: its own, or with `lsh_group_rotations` its group's."""
+        if self.group == 1:
+            return rotations
+        return rotations[:, ::self.group].repeat_interleave(self.group, dim=1)
+
+    def _per_query_head(self, key_buckets):
+        """Key buckets [B, H, R, L] as each query head sees them, from the heads the keys were hashed in."""
+        return key_buckets if self.group == 1 else key_buckets.repeat_interleave(self.group, dim=1)
+
+    def _keys_to_hash(self, k, valid):
+        """Keys k [B, kv_heads, L, d] as they are hashed (minus their head's centre with `lsh_centre_keys`), their
+        sums recorded while `key_record` is set."""
         if self.key_record is not None:
             real = k.new_ones(k.shape[0], k.shape[2]) if valid is None else valid.to(k.dtype)
             self.key_record.append((torch.einsum("bhld,bl->hd", k.detach(), real), real.sum()))
-        if self.centre_keys:
-            k = k - self.layer.lsh_key_centre[:, None, :].to(k.dtype)
+        return k - self.layer.lsh_key_centre[:, None, :].to(k.dtype) if self.centre_keys else k
+
+    def _hash_token(self, q, k, rotations, factors):
+        """(query buckets [B, H, R, 1], key buckets [B, H_k, R, 1]) of one new token, its query q [B, H, 1, d] and
+        key k [B, kv_heads, 1, d] hashed in one product (a decoding step is many small operations: one hashing
+        instead of two)."""
+        if self.shared_qk:
+            buckets = hash_buckets(q, rotations, factors)
+            return buckets, buckets
+        batch, heads, _, dim = q.shape
+        k = self._keys_to_hash(k, None)
+        if self.group > 1:  # a group's queries and its key, hashed with the group's rotations
+            kv_heads = heads // self.group
+            both = torch.cat([q.view(batch, kv_heads, self.group, dim), k], dim=2)
+            buckets = hash_buckets(both, rotations[:, ::self.group], factors)  # [B, kv, R, group + 1]
+            query_buckets = buckets[..., :self.group].transpose(2, 3).reshape(batch, heads, -1, 1)
+            return query_buckets, buckets[..., self.group:]
+        buckets = hash_buckets(torch.cat([q, self.expand_kv(k)], dim=2), rotations, factors)  # [B, H, R, 2]
+        return buckets[..., :1], buckets[..., 1:]
+
+    def _hash_keys(self, k, rotations, factors, valid):
+        """Key buckets [B, H_k, R, L] of keys k [B, kv_heads, L, d] (valid [B, L] or None), minus their head's centre
+        with `lsh_centre_keys`: hashed per query head with that head's rotations (H_k = H), or with
+        `lsh_group_rotations` once per key-value head with its group's (H_k = kv_heads)."""
+        k = self._keys_to_hash(k, valid)
+        if self.group > 1:
+            return self.hash_vectors(k, rotations[:, ::self.group], factors, valid)
         return self.hash_vectors(self.expand_kv(k), rotations, factors, valid)
 
     def _buckets(self, q, k, valid, recompute):
-        """(query buckets, key buckets [B, H, R, L], rotations or None) of this forward: hashed with new rotations
+        """(query buckets [B, H, R, L], key buckets [B, H_k, R, L] (`_hash_keys`; shared QK: the query buckets),
+        rotations or None) of this forward: hashed with new rotations
         (and saved for a reversible stack's recomputation, which reuses them), or the saved ones when replaying."""
         factors = self.bucket_factors()
         if recompute is not None and recompute.replaying:
@@ -160,7 +202,7 @@ class LSHFarPart(LSHBuckets, FarPart):
                 self.draw_rotations(q.shape[0], buckets.shape[2], factors, q.device)
             return buckets, recompute.saved.get("key_buckets", buckets), None
         rotations = self.draw_rotations(q.shape[0], self.num_hashes, factors, q.device)
-        query_buckets = self.hash_vectors(q, rotations, factors, valid)
+        query_buckets = self.hash_vectors(q, self._query_rotations(rotations), factors, valid)
         key_buckets = query_buckets if self.shared_qk else self._hash_keys(k, rotations, factors, valid)
         if recompute is not None:
             recompute.saved["buckets"] = query_buckets
@@ -179,7 +221,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         query_buckets, key_buckets, rotations = self._buckets(x.q, x.k, x.valid, x.recompute)  # padding: extra bucket
         state = self._start_state(x.k, x.v, key_buckets, rotations) if x.keep_state else None
         if not self.shared_qk:
-            return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets, key_buckets), state)
+            return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets,
+                                                         self._per_query_head(key_buckets)), state)
         return FarOutput(*self._far_of_shared_qk(x.q, x.k, x.v, query_buckets, x.recompute), state)
 
     def _far_of_shared_qk(self, q, k, v, query_buckets, recompute):
@@ -338,21 +381,61 @@ class LSHFarPart(LSHBuckets, FarPart):
 
     # -- decoding ---------------------------------------------------------------------------------------------------
     def _start_state(self, k, v, key_buckets, rotations):
-        """Every key's buckets (as [B, H * R, L] indices), the keys and values that have left the window (positions
-        below L - W; the ring holds the rest) and, unless decoding can draw them again, the rotations."""
+        """The decoding state after a prefill of L tokens: the keys and values that have left the window (positions
+        below L - W; the ring holds the rest), the prefill's keys as a bucket index (`lsh_sorted` [B, H_k * R, L]:
+        each round's key positions in (bucket, position) order; `lsh_starts` [B, H_k * R, buckets + 2]: where each
+        bucket's run begins, the padding bucket's included), empty stores for the buckets and positions of the
+        tokens decoding adds, and, unless decoding can draw them again, the rotations.
+
+        The index answers a step's question, the K most recent earlier keys of the query's bucket, by reading the
+        last K entries of one run: O(K) a head and round, where comparing the query's bucket with every stored key's
+        was O(L) (at 32K tokens on SmolLM2's shapes, that search was half of an `lsh_window` decoding step). It
+        holds a position per key, head and round (2 bytes below 32K tokens, 4 above), as the bucket indices it
+        replaces held a bucket."""
         batch, heads, rounds, length = key_buckets.shape
-        dtype = self.bucket_index_dtype()
+        buckets = key_buckets.reshape(batch, heads * rounds, length)
+        index_dtype = torch.int16 if length < torch.iinfo(torch.int16).max else torch.int32
+        runs = buckets.new_zeros(batch, heads * rounds, math.prod(self.bucket_factors()) + 2)
+        runs[..., 1:].scatter_add_(-1, buckets, torch.ones_like(buckets))  # + 1: the padding bucket's run too
         gone = max(length - self.window_size, 0)
-        state = dict(lsh_buckets=with_spare_tokens(key_buckets.reshape(batch, heads * rounds, length).to(dtype)),
+        state = dict(lsh_sorted=sort_by_bucket(buckets).to(index_dtype), lsh_starts=runs.cumsum(-1).to(index_dtype),
+                     lsh_new_buckets=buckets.new_zeros(batch, heads * rounds, 0, dtype=self.bucket_index_dtype()),
+                     lsh_new_positions=buckets.new_zeros(batch, 1, 0, dtype=torch.int32),
                      lsh_keys=with_spare_tokens(k[:, :, :gone]), lsh_values=with_spare_tokens(v[:, :, :gone]))
         if not self.rotations_recomputable():
             state["lsh_rotations"] = rotations
         return state
 
+    def _recent_keys(self, state, query_buckets, decoded):
+        """[B, H, R, n] positions of the K most recent earlier keys in each query's bucket (`query_buckets`
+        [B, H, R, 1]), most recent first, -1 where there are fewer: the last K of the bucket's run in the prefill's
+        index, after the matches among the `decoded` tokens stored since (all of them later than the prefill's)."""
+        batch, heads, rounds, _ = query_buckets.shape
+        key_heads = state["lsh_sorted"].shape[1] // rounds
+        group, prefill, recent = heads // key_heads, state["lsh_sorted"].shape[-1], self.recent_size
+
+        def per_query_head(x):  # [B, H_k * R, n] -> [B, H_k, group, R, n], the group's query heads as a view
+            return x.view(batch, key_heads, 1, rounds, -1).expand(-1, -1, group, -1, -1)
+
+        wanted = query_buckets.view(batch, key_heads, group, rounds, 1)
+        starts = per_query_head(state["lsh_starts"])
+        first, end = starts.gather(-1, wanted).long(), starts.gather(-1, wanted + 1).long()
+        slot = end - 1 - torch.arange(min(recent, prefill), device=end.device)  # the run's last K, most recent first
+        found = per_query_head(state["lsh_sorted"]).gather(-1, slot.clamp(min=0)).long().masked_fill(slot < first, -1)
+        if decoded:
+            stored = per_query_head(state["lsh_new_buckets"][..., :decoded])
+            positions = state["lsh_new_positions"][..., :decoded].view(batch, 1, 1, 1, decoded)
+            listed = torch.where(stored == wanted.to(stored.dtype), positions, -1)
+            later = listed.topk(min(recent, decoded), dim=-1).values.long()
+            found = torch.cat([later, found], -1)
+            found = found.topk(min(recent, found.shape[-1]), dim=-1).values
+        return found.view(batch, heads, rounds, -1)
+
     def step(self, x: FarInputs) -> FarOutput:
         """One new token per row: hash its query (and key) with the prefill's rotations, find the most recent earlier
-        keys of the query's bucket among the stored bucket indices, record the new key's buckets and the key that
-        leaves the window, and attend to the candidates that are far from the token."""
+        keys of the query's bucket in the prefill's index and among the tokens decoded since, record the new key's
+        buckets and position and the key that leaves the window, and attend to the candidates that are far from the
+        token."""
         stored, q, k, seen = dict(x.state), x.q, x.k, x.seen
         position, real = x.position[:, 0], x.valid[:, 0]
         batch, heads, _, dim = q.shape
@@ -360,24 +443,30 @@ class LSHFarPart(LSHBuckets, FarPart):
         rotations = stored.get("lsh_rotations")
         if rotations is None:
             rotations = self.draw_rotations(batch, self.num_hashes, factors, q.device)
-        rounds = rotations.shape[2]
         not_real = ~real[:, None, None, None]
-        query_buckets = hash_buckets(q, rotations, factors).masked_fill(not_real, math.prod(factors))
-        key_buckets = query_buckets if self.shared_qk else \
-            self._hash_keys(k, rotations, factors, None).masked_fill(not_real, math.prod(factors))
-        buckets = stored["lsh_buckets"].view(batch, heads, rounds, -1)
-        candidates = most_recent_in_bucket(buckets, query_buckets, position[:, None, None, None], self.recent_size)
-        stored["lsh_buckets"] = write_at_rows(stored["lsh_buckets"], position,
-                                              key_buckets.reshape(batch, heads * rounds, 1).to(buckets.dtype),
-                                              seen + 1)
+        query_buckets, key_buckets = (buckets.masked_fill(not_real, math.prod(factors))
+                                      for buckets in self._hash_token(q, k, rotations, factors))
+        decoded = seen - stored["lsh_sorted"].shape[-1]  # tokens stored since the prefill (a host number)
+        candidates = self._recent_keys(stored, query_buckets, decoded)
+        at = position.new_full((batch,), decoded)
+        stored["lsh_new_buckets"] = write_at_rows(
+            stored["lsh_new_buckets"], at,
+            key_buckets.reshape(batch, -1, 1).to(stored["lsh_new_buckets"].dtype), decoded + 1)
+        stored["lsh_new_positions"] = write_at_rows(
+            stored["lsh_new_positions"], at, torch.where(real, position, -1).view(batch, 1, 1).int(), decoded + 1)
         leaving_k, leaving_v, _ = x.leaving  # the key at position - W, if there is one, goes to the store
         slot, room = (position - self.window_size).clamp(min=0), max(seen + 1 - self.window_size, 1)
         stored["lsh_keys"] = write_at_rows(stored["lsh_keys"], slot, leaving_k, room)
         stored["lsh_values"] = write_at_rows(stored["lsh_values"], slot, leaving_v, room)
         index = candidates.reshape(batch, heads, 1, -1)
         safe = index.clamp(0, stored["lsh_keys"].shape[2] - 1).flatten(2)  # a key still in the window: not far
-        keys = gather_grouped(stored["lsh_keys"], safe).view(batch, heads, 1, index.shape[-1], -1)
-        values = gather_grouped(stored["lsh_values"], safe).view(batch, heads, 1, index.shape[-1], -1)
+        key_rows = grouped_rows(stored["lsh_keys"], safe)
+        # the values' rows are the keys' unless the keys have a head per query head (shared QK)
+        value_rows = key_rows if stored["lsh_values"].shape[1] == stored["lsh_keys"].shape[1] else \
+            grouped_rows(stored["lsh_values"], safe)
+        keys, values = (store.reshape(-1, store.shape[-1]).index_select(0, rows).view(batch, heads, 1, -1,
+                                                                                      store.shape[-1])
+                        for store, rows in ((stored["lsh_keys"], key_rows), (stored["lsh_values"], value_rows)))
         return FarOutput(*self._far_softmax(q, index, position[:, None, None, None], keys, values), stored)
 
     # -- reference --------------------------------------------------------------------------------------------------
@@ -396,6 +485,7 @@ class LSHFarPart(LSHBuckets, FarPart):
                 for name in ("buckets", "key_buckets" if "key_buckets" in recompute.saved else "buckets"))
         else:
             query_buckets, key_buckets, _ = self._buckets(q, k, valid, None)
+        key_buckets = self._per_query_head(key_buckets)
         m, before = self.chunk_length, self.chunks_before
         same = key_buckets[..., None, :] == query_buckets[..., :, None]  # [B, H, R, L(query), L(key)]
         if not self.shared_qk:  # the K most recent: fewer than K keys of the bucket lie between j and i
@@ -425,7 +515,7 @@ class SeparateQKLSHAttention(LSHFarPart.layer_class):
     softmax of q·k / √d, to its own key and, in every round, to the K = lsh_num_chunks_before · lsh_chunk_length
     most recent earlier keys of its bucket. That is `lsh_window` with a window of one token (the query's own key, so
     no query is left without a key) and no sinks, so it shares its parallel, decoding and reference forms
-    (docs/lsh_attention.md, §7): decoding keeps a KV cache's keys and values plus the buckets as indices. Causal
+    (docs/lsh_attention.md, §7): decoding keeps a KV cache's keys and values plus a bucket index of positions. Causal
     layers only (a key is hashed apart from its query, and only the earlier keys of a bucket are listed).
     `lsh_full_attention_threshold` is the shared-QK layers' rule for queries with few keys besides their own, which
     is penalised there; here a query's own key counts, so the threshold must be 0 (or None)."""

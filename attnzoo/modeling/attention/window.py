@@ -113,8 +113,8 @@ def restore_order(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 # slot in place and reads the buffers whole: the attention is the same whatever the order of the keys, so the ring is
 # never shifted or concatenated (shifting it and joining it to the sinks copied the window's keys and values three
 # times a step and layer: 7% of a "window" decoding step on SmolLM2's shapes after an 8K prompt).
-def _window_slot(position, window: int, sinks: int):
-    """[B] the ring slot of the token at `position` [B]: S + position mod W."""
+def window_slot(position, window: int, sinks: int):
+    """[B] the ring slot of the token at `position` [B]: S + position mod W (a token's own key as it attends)."""
     return sinks + torch.remainder(position, window)
 
 
@@ -152,7 +152,7 @@ def ring_leaving(state, real, window: int, sinks: int):
     `state["count"]` arrives: the one in the token's slot (as the far part sees it), which joins the far keys when
     the token is real and that key is at position count - W and not a sink. Copies, read before the token's write."""
     position = state["count"]
-    slot = _window_slot(position, window, sinks)
+    slot = window_slot(position, window, sinks)
     leaving_pos = state["ring_pos"].gather(1, slot[:, None])[:, 0]
     joins = real & (leaving_pos == position - window) & beyond_window(position, leaving_pos, window, sinks)
     far_k = state.get("ring_far_k")
@@ -167,7 +167,7 @@ def ring_append(state, k, v, real, window: int, sinks: int, far_k=None) -> dict[
     position = state["count"]
     ring_k, ring_v, ring_pos = state["ring_k"], state["ring_v"], state["ring_pos"][:, None]
     new_pos = position.view(-1, 1, 1)
-    writes = [(_window_slot(position, window, sinks), real)]
+    writes = [(window_slot(position, window, sinks), real)]
     if sinks:  # while a row has seen fewer than S real tokens, its token is also a sink
         writes.append((position.clamp(max=sinks - 1), real & (position < sinks)))
     for slot, gate in writes:
@@ -179,7 +179,7 @@ def ring_append(state, k, v, real, window: int, sinks: int, far_k=None) -> dict[
         ring_pos = write_at_rows(ring_pos, slot, torch.where(keep[..., 0], new_pos, held), ring_pos.shape[2])
     new = {"ring_k": ring_k, "ring_v": ring_v, "ring_pos": ring_pos[:, 0], "count": position + real.long()}
     if far_k is not None:
-        slot = _window_slot(position, window, 0)
+        slot = window_slot(position, window, 0)
         keep = real.view(-1, 1, 1, 1)
         new["ring_far_k"] = write_at_rows(state["ring_far_k"], slot,
                                           torch.where(keep, far_k, _row_at(state["ring_far_k"], slot)),
@@ -190,17 +190,12 @@ def ring_append(state, k, v, real, window: int, sinks: int, far_k=None) -> dict[
 def ring_visible(state, position, window: int, sinks: int):
     """(keys, values [B, kv_heads, S + W, d], allowed [B, S + W]) that a token at `position` [B] attends to: the
     sinks outside its window, and the window's slots that hold a token (the token's own is slot S + position mod W,
-    `own_slot`). The buffers themselves: no copy."""
+    `window_slot`). The buffers themselves: no copy."""
     pos = state["ring_pos"]
     sink_allowed = (pos[:, :sinks] >= 0) & outside_window(position[:, None], pos[:, :sinks], window)
     allowed = torch.cat([sink_allowed, pos[:, sinks:] >= 0], dim=1)
     allowed[:, -1] |= ~allowed.any(-1)  # a padded token in an empty row: finite, never read
     return state["ring_k"], state["ring_v"], allowed
-
-
-def own_slot(position, window: int, sinks: int):
-    """[B] the ring slot of a token's own key (`ring_visible`'s order)."""
-    return _window_slot(position, window, sinks)
 
 
 class WindowStateLayer(RecurrentStateLayer):
@@ -269,7 +264,7 @@ class NearPart:
     def step(self, q, keys, values, allowed, sink_q=None, far=None, own=None):
         """One query per row, q [B, H, 1, d], over the ring's keys and values [B, kv_heads, S + W, .] (sinks first;
         `ring_visible`) where `allowed` [B, S + W]: [B, H, 1, e], merged with `far`. `own` [B]: the slot of each
-        token's own key (`own_slot`), which `penalises_own_key` scores apart."""
+        token's own key (`window_slot`), which `penalises_own_key` scores apart."""
         batch, heads = q.shape[:2]
 
         def grouped(x, kv_heads):  # [B, H, 1, n] -> [B, kv_heads, H / kv_heads, n]: a head's query heads as rows

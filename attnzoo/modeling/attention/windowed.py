@@ -96,7 +96,6 @@ from attnzoo.modeling.attention.window import (
     gather_tokens,
     left_align,
     new_token_inputs,
-    own_slot,
     real_positions,
     restore_order,
     ring_append,
@@ -104,6 +103,7 @@ from attnzoo.modeling.attention.window import (
     ring_start,
     ring_visible,
     sink_queries,
+    window_slot,
 )
 from attnzoo.modeling.cache import RecurrentStateLayer
 
@@ -451,7 +451,7 @@ class WindowedAttention(DrawsPerForward, InitialisesBuffers, UsesRecomputation, 
             far = far[:3]
         layer.store(1, **ring, **far_entries)
         return self.near.step(q, self._near_keys(keys), values, allowed, sink_q, far,
-                              own_slot(position, self.window_size, self.sinks))
+                              window_slot(position, self.window_size, self.sinks))
 
     # -- reference --------------------------------------------------------------------------------------------------
     def reference_forward(self, hidden_states, attention_mask=None, cache=None, recompute=None, position_ids=None):

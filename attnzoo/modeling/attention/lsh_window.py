@@ -72,9 +72,28 @@ from attnzoo.ops.chunked_attention import ChunkMask, pad_to_multiple
 #: queries per block (and sorted keys per chunk) of separate-QK LSH's sorted blocks: each query scores K + SORTED_BLOCK
 #: keys. 32 was the fastest of 16, 32 and 64 for a SmolLM2-shaped layer at 8K tokens (K = 64, 4 rounds, 2 cores).
 SORTED_BLOCK = 32
-#: (query, key slot) pairs that separate-QK LSH's sorted blocks score at once: a memory bound, one group of blocks at
-#: training lengths and a few at long prompts (about 300 MB of scores and masks per group in float32)
-FAR_BLOCK_PAIRS = 1 << 24
+#: (query, key slot) pairs that separate-QK LSH's sorted blocks score at once. Small enough that a group's copies,
+#: scores and masks (about 25 MB in float32) stay in the CPU's caches between the passes over them: 2^20 took 0.75x
+#: the time of 2^24 (300 MB a group) for a SmolLM2-shaped layer at 32K tokens on 2 cores, 2^18 and 2^19 no less.
+FAR_BLOCK_PAIRS = 1 << 20
+
+
+class _LogSumExpOfSoftmax(torch.autograd.Function):
+    """log sum exp(s) over the last axis, from the softmax p of the scores s and their largest, s_max: p is largest
+    there, at exp(s_max - lse) >= 1 / n, so lse = s_max - log max p is exact to rounding, and costs two reductions
+    rather than another exp pass. Its gradient is p, logsumexp's (differentiating the formula instead would be wrong
+    wherever two unequal scores round to one probability)."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, peak):
+        ctx.save_for_backward(probs)
+        return peak - probs.amax(-1).log()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        return grad.unsqueeze(-1) * probs, None, None
+
 
 @dataclass
 class FarKeyMask(ChunkMask):
@@ -294,49 +313,50 @@ class LSHFarPart(LSHBuckets, FarPart):
         place_of_query = torch.empty_like(place).scatter_(-1, query_order, place)  # query -> its place
         chunk_of_block = torch.zeros(batch, heads, rounds, num_blocks, dtype=torch.long, device=device).scatter_(
             -1, block, chunk_sorted)
-        # Keys and values once in each round's sorted order, padded by K slots before and C after: chunk j's span
-        # is then the K + C consecutive rows from row jC, copied once per block.
+        # Keys and values once in each round's sorted order, side by side in one row (a block's span is then one copy;
+        # two, of keys and of values, took a tenth longer), padded by K slots before and C after: chunk j's span is
+        # then the K + C consecutive rows from row jC, copied once per block.
         span = K + C
         sorted_rows = grouped_rows(k, key_order)
-        windows = [torch.nn.functional.pad(x.reshape(-1, x.shape[-1]).index_select(0, sorted_rows).view(
-            batch, heads, rounds, length, -1), (0, 0, K, C)) for x in (k, v)]  # [B, H, R, K + L + C, d|e]
-        windows.append(torch.nn.functional.pad(key_order, (K, C), value=-1))  # their key positions, -1: padding
+        both = torch.cat([k, v], dim=-1)
+        sorted_pairs = torch.nn.functional.pad(both.reshape(-1, both.shape[-1]).index_select(0, sorted_rows).view(
+            batch, heads, rounds, length, -1), (0, 0, K, C))  # [B, H, R, K + L + C, d + e]
+        sorted_positions = torch.nn.functional.pad(key_order, (K, C), value=-1)  # their key positions, -1: padding
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
         per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
         parts = [self._far_of_block_group(q, first, per_head, query_at[..., start * C:(start + per_group) * C],
-                                          chunk_of_block[..., start:start + per_group], *windows, *bounds)
-                 for start in range(0, num_blocks, per_group)]  # a memory bound: one group at training lengths
-        num, lse, peak = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3)
-                                                           for part in zip(*parts, strict=True))
-        # each round's (num, lse, peak) back in query order, whole rows copied (a gather over e took twice as long)
-        rows = (torch.arange(batch * heads * rounds, device=device)[:, None] * num.shape[3]
+                                          chunk_of_block[..., start:start + per_group], sorted_pairs,
+                                          sorted_positions, *bounds)
+                 for start in range(0, num_blocks, per_group)]
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat(part, dim=3) for part in zip(*parts, strict=True))
+        # each round's (out, lse) back in query order, whole rows copied (a gather over e took twice as long)
+        rows = (torch.arange(batch * heads * rounds, device=device)[:, None] * out.shape[3]
                 + place_of_query.flatten(0, 2)).reshape(-1)
-        num = num.reshape(-1, num.shape[-1]).index_select(0, rows).view(batch, heads, rounds, queries, -1)
-        lse, peak = (x.reshape(-1).index_select(0, rows).view(batch, heads, rounds, queries) for x in (lse, peak))
-        # the rounds under one log-sum-exp: round r's sums exp(s - peak_r) v weigh exp(peak_r - total), so that
-        # each is exp(s - total) v (no division by each round's mass). Added round by round (one [B, H, R, Q, e]
-        # product and a sum over R took three times as long), then a query head per row: [B, H_k, group * Q] ->
-        # [B, H, Q], a view.
+        out = out.reshape(-1, out.shape[-1]).index_select(0, rows).view(batch, heads, rounds, queries, -1)
+        lse = lse.reshape(-1).index_select(0, rows).view(batch, heads, rounds, queries)
+        # the rounds under one log-sum-exp: round r's output weighs exp(lse_r - total). Added round by round (one
+        # [B, H, R, Q, e] product and a sum over R took three times as long), then a query head per row:
+        # [B, H_k, group * Q] -> [B, H, Q], a view.
         total = log_far_mass(lse.transpose(2, 3))  # [B, H_k, group * Q]
-        relative = torch.exp(peak - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
+        relative = torch.exp(lse - torch.where(torch.isfinite(total), total, 0.0)[:, :, None])
         weight = torch.where(torch.isfinite(lse), relative, 0.0)[..., None]
-        out = num[:, :, 0] * weight[:, :, 0]
+        combined = out[:, :, 0] * weight[:, :, 0]
         for r in range(1, rounds):
-            out.addcmul_(num[:, :, r], weight[:, :, r])
+            combined.addcmul_(out[:, :, r], weight[:, :, r])
         total = total.view(batch, key_heads * group, per_head)
-        found = (out.view(batch, key_heads * group, per_head, -1), torch.ones_like(total), total)
+        found = (combined.view(batch, key_heads * group, per_head, -1), torch.ones_like(total), total)
         return tuple(torch.cat([early, late], dim=2) for early, late in zip(none, found, strict=True))
 
-    def _far_of_block_group(self, q, first, per_head, query_at, chunk_of_block, sorted_keys, sorted_values,
-                            sorted_positions, low, before, key_slot):
-        """(num [B, H, R, n * C, e], lse, peak [B, H, R, n * C]) of n blocks of queries over the K + C key slots that
-        end each block's chunk of sorted keys (H: the heads the keys were hashed in): num = sum exp(s - peak) v, not
-        normalised, and lse = log sum exp(s). q [B, H, Q, d]: the queries (scaled) from
+    def _far_of_block_group(self, q, first, per_head, query_at, chunk_of_block, sorted_pairs, sorted_positions, low,
+                            before, key_slot):
+        """(out [B, H, R, n * C, e], lse [B, H, R, n * C]) of n blocks of queries over the K + C key slots that end
+        each block's chunk of sorted keys (H: the heads the keys were hashed in): each round's softmax over its far
+        keys and their log-sum-exp. q [B, H, Q, d]: the queries (scaled) from
         position `first` on, `per_head` of them for each query head of the key head's group in turn (query i sits at
         position first + i mod `per_head`); `query_at` [B, H, R, n * C]: which of them sit in each block's places
-        (-1: an empty place); `sorted_keys`, `sorted_values` [B, H, R, K + L + C, d|e]: each round's sorted keys and
-        values, K zero rows before and C after, so chunk j's span starts at row jC; `sorted_positions`
+        (-1: an empty place); `sorted_pairs` [B, H, R, K + L + C, d + e]: each round's sorted keys and values side by
+        side, K zero rows before and C after, so chunk j's span starts at row jC; `sorted_positions`
         [B, H, R, K + L + C]: their key positions, -1 on the padding; `low`, `before` [B, H, R, Q]: each query's
         candidate slots [low, before) per round (int32); `key_slot` [B, H, R, L]: each key's slot per round
         (int32)."""
@@ -344,14 +364,15 @@ class LSHFarPart(LSHBuckets, FarPart):
         C, K = SORTED_BLOCK, self.recent_size
         blocks, span = chunk_of_block.shape[-1], K + C
         shape = (batch, heads, rounds, blocks, C)
-        device = q.device
+        device, dim = q.device, q.shape[-1]
         slot = chunk_of_block[..., None] * C - K + torch.arange(span, device=device)  # [B, H, R, n, S]
         key_at = sorted_positions.gather(-1, (slot + K).flatten(3)).view_as(slot)  # [B, H, R, n, S]
         # each block's span: K + C consecutive rows of the padded sorted keys and values
         head_round = torch.arange(batch * heads * rounds, device=device).view(batch, heads, rounds, 1, 1)
         rows = head_round * (K + length + C) + (slot + K)
-        keys, values = (x.reshape(-1, x.shape[-1]).index_select(0, rows.reshape(-1)).view(*shape[:4], span, -1)
-                        for x in (sorted_keys, sorted_values))
+        pairs = sorted_pairs.reshape(-1, sorted_pairs.shape[-1]).index_select(0, rows.reshape(-1)).view(
+            *shape[:4], span, -1)
+        keys, values = pairs[..., :dim], pairs[..., dim:]
         query_real = (query_at >= 0).view(shape)
         query_pos = query_at.clamp(min=0)
         # an empty place lists no slot: [0, 0)
@@ -375,18 +396,17 @@ class LSHFarPart(LSHBuckets, FarPart):
                     end = before[:, :, earlier].gather(-1, query_index[:, :, this]).view(batch, heads, blocks, C, 1)
                     far[:, :, this] &= (there < lo) | (there >= end)
         rows = grouped_rows(q, query_pos)
-        queries = q.reshape(-1, q.shape[-1]).index_select(0, rows).view(*shape, -1)
-        logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, float("-inf"))  # bmm's backward needs no output
-        # one softmax pass, unnormalised: num = sum exp(s - peak) v, lse = peak + log sum exp(s - peak) (a query
-        # without far keys gets 0, -inf and peak 0). The peak is a constant of the softmax (detached: its gradients
-        # through num and lse cancel), and it is returned so the rounds can be combined without normalising them.
-        peak = logits.detach().amax(-1, keepdim=True)
-        peak = torch.where(torch.isfinite(peak), peak, 0.0)
-        weights = torch.exp(logits - peak)
-        mass = weights.sum(-1)
-        has = mass > 0
-        lse = torch.where(has, peak.squeeze(-1) + torch.where(has, mass, 1.0).log(), float("-inf"))
-        return (weights @ values).flatten(3, 4), lse.flatten(3), peak.squeeze(-1).flatten(3)
+        queries = q.reshape(-1, dim).index_select(0, rows).view(*shape, -1)
+        # the lowest finite score, not -inf: a query without far keys then gets a uniform softmax (not NaN) and no
+        # weight (lse -inf below)
+        lowest = torch.finfo(q.dtype).min
+        logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, lowest)  # bmm's backward needs no output
+        # torch's fused softmax: exp(logits - peak) alone took 2.5 times as long on 2 cores (exp's slow path for the
+        # -inf scores of non-candidates), and the sum and log of its log-sum-exp were two more passes
+        probs = torch.softmax(logits, dim=-1)
+        peak = logits.detach().amax(-1)
+        lse = torch.where(peak > lowest, _LogSumExpOfSoftmax.apply(logits, probs, peak), float("-inf"))
+        return (probs @ values).flatten(3, 4), lse.flatten(3)
 
     def _far_softmax(self, q, index, position, keys, values):
         """(num, 1, log-sum-exp) of queries q [B, H, T, d] at positions [B|1, 1, T, 1] over the keys listed at

@@ -26,7 +26,7 @@ with lsh_window's state <= 1.05x the source's KV cache and the window's flat.
 
 Each finished row is kept in the report as soon as it is measured; a rerun with the same setup measures only the
 rows the report lacks (`--remeasure` measures all). On 2 cores the source's 32K float32 prefill takes minutes; the
-float32 grid took 16 minutes in the committed run, bfloat16 at 2K and 8K (`--dtypes bfloat16 --lengths 2048 8192
+float32 grid took 15 minutes in the committed run, bfloat16 at 2K and 8K (`--dtypes bfloat16 --lengths 2048 8192
 --models source window`) 5 more. The machine's speed varies from run to run (the source's 2K prefill took 9.2 s in
 one run and 5.6 s in the next), so only ratios within one run are compared.
 """

@@ -322,32 +322,6 @@ def test_separate_queries_and_keys_in_groups_of_blocks_equal_the_dense_reference
     check_against_the_dense_reference(layer(window_size=4, num_sink_tokens=2, lsh_shared_qk=False, lsh_num_hashes=3))
 
 
-def test_log_sum_exp_from_the_softmax_equals_logsumexp_values_and_gradients():
-    """The sorted blocks take each round's log-sum-exp from its softmax (largest score minus the log of the largest
-    probability); value and gradient are logsumexp's, with non-candidates at the lowest finite score."""
-    from attnzoo.modeling.attention.lsh_window import _LogSumExpOfSoftmax
-
-    generator = torch.Generator().manual_seed(3)
-    scores = torch.randn(5, 7, 9, generator=generator, dtype=torch.float64) * 8
-    allowed = torch.rand(5, 7, 9, generator=generator) < 0.6
-    allowed[..., 0] = True
-    lowest = torch.finfo(scores.dtype).min
-    upstream = torch.randn(5, 7, generator=generator, dtype=torch.float64)
-    grads = []
-    for fast in (True, False):
-        logits = scores.clone().requires_grad_(True)
-        masked = logits.masked_fill(~allowed, lowest)
-        if fast:
-            lse = _LogSumExpOfSoftmax.apply(masked, torch.softmax(masked, -1), masked.detach().amax(-1))
-        else:
-            lse = masked.logsumexp(-1)
-        (lse * upstream).sum().backward()
-        grads.append((lse.detach(), logits.grad))
-    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=1e-12)
-    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-12)
-    assert grads[0][1][~allowed].abs().max() == 0
-
-
 def test_chunk_windows_need_shared_queries_and_keys():
     # plain "lsh" layers take separate ones too: tests/attention/test_lsh_separate_qk.py
     assert build_attention("lsh", config(lsh_shared_qk=False), 0, True).name == "lsh"

@@ -62,6 +62,7 @@ from attnzoo.modeling.attention.windowed import (
     FarInputs,
     FarOutput,
     FarPart,
+    far_softmax,
     log_far_mass,
     normalised_far,
     register_far_part,
@@ -76,23 +77,6 @@ SORTED_BLOCK = 32
 #: scores and masks (about 25 MB in float32) stay in the CPU's caches between the passes over them: 2^20 took 0.75x
 #: the time of 2^24 (300 MB a group) for a SmolLM2-shaped layer at 32K tokens on 2 cores, 2^18 and 2^19 no less.
 FAR_BLOCK_PAIRS = 1 << 20
-
-
-class _LogSumExpOfSoftmax(torch.autograd.Function):
-    """log sum exp(s) over the last axis, from the softmax p of the scores s and their largest, s_max: p is largest
-    there, at exp(s_max - lse) >= 1 / n, so lse = s_max - log max p is exact to rounding, and costs two reductions
-    rather than another exp pass. Its gradient is p, logsumexp's (differentiating the formula instead would be wrong
-    wherever two unequal scores round to one probability)."""
-
-    @staticmethod
-    def forward(ctx, logits, probs, peak):
-        ctx.save_for_backward(probs)
-        return peak - probs.amax(-1).log()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (probs,) = ctx.saved_tensors
-        return grad.unsqueeze(-1) * probs, None, None
 
 
 @dataclass
@@ -397,15 +381,11 @@ class LSHFarPart(LSHBuckets, FarPart):
                     far[:, :, this] &= (there < lo) | (there >= end)
         rows = grouped_rows(q, query_pos)
         queries = q.reshape(-1, dim).index_select(0, rows).view(*shape, -1)
-        # the lowest finite score, not -inf: a query without far keys then gets a uniform softmax (not NaN) and no
-        # weight (lse -inf below)
-        lowest = torch.finfo(q.dtype).min
-        logits = (queries @ keys.transpose(-1, -2)).masked_fill_(~far, lowest)  # bmm's backward needs no output
-        # torch's fused softmax: exp(logits - peak) alone took 2.5 times as long on 2 cores (exp's slow path for the
-        # -inf scores of non-candidates), and the sum and log of its log-sum-exp were two more passes
-        probs = torch.softmax(logits, dim=-1)
-        peak = logits.detach().amax(-1)
-        lse = torch.where(peak > lowest, _LogSumExpOfSoftmax.apply(logits, probs, peak), float("-inf"))
+        # non-candidates at the lowest finite score (of the scores' own dtype: under autocast not the queries'), in
+        # place (bmm's backward needs no output); `far_softmax` reads that as -inf without exp's slow path for it
+        logits = queries @ keys.transpose(-1, -2)
+        logits.masked_fill_(~far, torch.finfo(logits.dtype).min)
+        probs, lse = far_softmax(logits)  # a query without far keys: lse -inf, which gives its output no weight
         return (probs @ values).flatten(3, 4), lse.flatten(3)
 
     def _far_softmax(self, q, index, position, keys, values):

@@ -110,20 +110,47 @@ from attnzoo.modeling.cache import RecurrentStateLayer
 FAR_PART_REGISTRY: dict[str, type[FarPart]] = {}
 
 
+class _LogSumExpOfSoftmax(torch.autograd.Function):
+    """log sum exp(s) over the last axis, from the softmax p of the scores s and their largest, s_max: p is largest
+    there, at exp(s_max - lse) >= 1 / n, so lse = s_max - log max p is exact to rounding, and costs two reductions
+    rather than another exp pass. Its gradient is p, logsumexp's (differentiating the formula instead would be wrong
+    wherever two unequal scores round to one probability)."""
+
+    @staticmethod
+    def forward(ctx, logits, probs, peak):
+        ctx.save_for_backward(probs)
+        return peak - probs.amax(-1).log()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (probs,) = ctx.saved_tensors
+        return grad.unsqueeze(-1) * probs, None, None
+
+
+def far_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax, logsumexp) over the last axis of logits [..., K], where -inf or the dtype's lowest finite value
+    marks a key that is not a far key. A query without far keys gets lse -inf (with a zero, not NaN, gradient) and a
+    uniform softmax that its lse gives no weight. torch's fused softmax runs over finite scores (exp of the -inf
+    scores is a slow path: exp(s - lse) and logsumexp took twice as long on 2 cores), and the log-sum-exp is read
+    off it (`_LogSumExpOfSoftmax`)."""
+    lowest = torch.finfo(logits.dtype).min
+    finite = logits.clamp(min=lowest)
+    probs = torch.softmax(finite, dim=-1)
+    peak = finite.detach().amax(-1)
+    return probs, torch.where(peak > lowest, _LogSumExpOfSoftmax.apply(finite, probs, peak), float("-inf"))
+
+
 def log_far_mass(logits: torch.Tensor) -> torch.Tensor:
     """logsumexp over the last axis of logits [..., Q, K] (-inf: not a far key), -inf for a query without far keys,
     with a zero (not NaN) gradient there."""
-    has_far = torch.isfinite(logits).any(-1)
-    lse = torch.where(has_far[..., None], logits, 0.0).logsumexp(-1)
-    return torch.where(has_far, lse, float("-inf"))
+    return far_softmax(logits)[1]
 
 
 def normalised_far(logits: torch.Tensor, values: torch.Tensor):
     """The far triple of a far part that is a softmax itself: (softmax(logits) @ values, 1, logsumexp(logits)) for
     logits [..., Q, K] (-inf: not a far key) and values [..., K, e]; a query without far keys gets 0, 1, -inf."""
-    lse = log_far_mass(logits)
-    weights = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return weights @ values, torch.ones_like(lse), lse
+    probs, lse = far_softmax(logits)
+    return torch.where(torch.isfinite(lse)[..., None], probs @ values, 0.0), torch.ones_like(lse), lse
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,9 @@ class _LogSumExpOfSoftmax(torch.autograd.Function):
 def far_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax, logsumexp) over the last axis of logits [..., K], where -inf or the dtype's lowest finite value
     marks a key that is not a far key. A query without far keys gets lse -inf (with a zero, not NaN, gradient) and a
-    uniform softmax that its lse gives no weight. torch's fused softmax runs over finite scores (exp of the -inf
-    scores is a slow path: exp(s - lse) and logsumexp took twice as long on 2 cores), and the log-sum-exp is read
-    off it (`_LogSumExpOfSoftmax`)."""
+    uniform softmax that its lse gives no weight. torch's fused softmax runs over finite scores (exp of -inf scores
+    is a slow path: exp(s - lse) and logsumexp took up to twice as long, one thread), and the log-sum-exp is read off
+    it (`_LogSumExpOfSoftmax`)."""
     lowest = torch.finfo(logits.dtype).min
     finite = logits.clamp(min=lowest)
     probs = torch.softmax(finite, dim=-1)

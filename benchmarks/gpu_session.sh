@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of the speed and decoding goals (docs/benchmarks.md), in seven stages of under 10 minutes each, in the
+# The GPU runs of the speed and decoding goals (docs/benchmarks.md), in eight stages of under 10 minutes each, in the
 # order they matter: first whether the fused kernels and graph-captured decoding are right on a GPU, then how fast.
 #
 # What they need of the machine:
@@ -25,6 +25,8 @@
 #   decode    eager decoding at batch 8 over 1K-64K contexts (1K and 16K took about 240 s)
 #   graphs    graph-captured decoding (static caches, reduce-overhead)
 #   reformer  Reformer against transformers' (1K-64K), Performer, RA/LARA
+#   near      issue 46's benchmark on the GPU: SmolLM2-135M's shapes, transformers' SDPA Llama against the window and
+#             lsh_window conversions in bfloat16 at 8K, 32K and 128K, decoding after 128K (not yet run on a GPU)
 # A session is lent 15 minutes of device time, the machine's start included: checks (about 110 s) and one or two more
 # stages fit in one call of at most 600 s, under one deadline (`export GPU_DEADLINE=$(( $(date +%s) + 580 ));
 # bash benchmarks/gpu_session.sh checks; bash benchmarks/gpu_session.sh speed`). Whatever a command writes outside
@@ -35,7 +37,7 @@
 # and the tests' JUnit report, into $OUT/results_<stage>.tgz ($OUT: default /tmp/gpu_session_out). Commit the JSON and
 # PNG files from it; never transcribe a figure.
 set -uo pipefail
-stage=${1:?"name a stage: checks, speed, paper, fla, decode, graphs or reformer"}
+stage=${1:?"name a stage: checks, speed, paper, fla, decode, graphs, reformer or near"}
 OUT=${OUT:-/tmp/gpu_session_out}
 mkdir -p "$OUT"
 log="$OUT/log_$stage.txt"
@@ -102,8 +104,12 @@ reformer)
     step 120 python3 benchmarks/performer_speed.py --device cuda
     step 120 python3 benchmarks/randomized_efficiency.py --device cuda
     ;;
+near)
+    step 540 python3 benchmarks/near_part_speed.py --device cuda --dtypes bfloat16 --lengths 8192 32768 131072 \
+        --decode_steps 32 --results benchmarks/results/near_part_speed_cuda.json
+    ;;
 *)
-    echo "unknown stage $stage: use checks, speed, paper, fla, decode, graphs or reformer" | tee -a "$log"
+    echo "unknown stage $stage: use checks, speed, paper, fla, decode, graphs, reformer or near" | tee -a "$log"
     exit 2
     ;;
 esac

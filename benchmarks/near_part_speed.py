@@ -45,11 +45,13 @@ from harness import (  # noqa: E402
     add_report_arguments,
     cache_state_bytes,
     cpu_environment,
+    cuda_device_name,
     measure_missing_rows,
     rows_report_check,
     rss_peak_mib,
     run_worker,
     save_figure,
+    sync,
     write_between_markers,
 )
 from owned_outputs import exit_on_refusal, publishes_tables, read_report, report_target, write_report  # noqa: E402
@@ -101,26 +103,36 @@ def measure(job: dict) -> dict:
     from attnzoo.transformers_compat import CACHE_KW, output_cache
 
     torch.set_num_threads(job["threads"])
-    model = build(job["model"], job["dtype"], job.get("layers"))
+    device = job.get("device", "cpu")
+    cuda = device.startswith("cuda")
+    model = build(job["model"], job["dtype"], job.get("layers")).to(device)
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, SMOLLM2["vocab_size"], (1, job["length"]), generator=generator)
+    ids = torch.randint(3, SMOLLM2["vocab_size"], (1, job["length"]), generator=generator).to(device)
     with torch.inference_mode():
         model(ids[:, :64], use_cache=True)  # first-call set-up (kernel selection, allocator) outside the timing
+        sync(device)
+        if cuda:  # the prefill's own allocations: CUDA's allocator counts them, the process's RSS does not
+            torch.cuda.reset_peak_memory_stats(device)
+            held = torch.cuda.memory_allocated(device)
         before = rss_peak_mib()
         start = time.perf_counter()
         out = model(ids, use_cache=True)
+        sync(device)
         prefill = time.perf_counter() - start
+        peak = (torch.cuda.max_memory_allocated(device) - held) / 2**20 if cuda else rss_peak_mib() - before
         row = {"prefill_s": prefill, "tokens_per_s_prefill": job["length"] / prefill,
-               "peak_growth_mib": rss_peak_mib() - before, "cache_mib": cache_state_bytes(output_cache(out)) / 2**20}
+               "peak_growth_mib": peak, "cache_mib": cache_state_bytes(output_cache(out)) / 2**20}
         if job.get("decode_steps"):
             cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
             # the prefill's logits ([1, L, vocab]: 6.4 GB at 32K in float32) are freed here, not by the first timed
             # step (which took 3x a steady one for every model at 32K); generate() never makes them
             del out
+            sync(device)
             start = time.perf_counter()
             for _ in range(job["decode_steps"]):
                 out = model(token, **{CACHE_KW: cache}, use_cache=True)
                 cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
+            sync(device)
             row["decode_tokens_per_s"] = job["decode_steps"] / (time.perf_counter() - start)
             row["cache_mib_after_decode"] = cache_state_bytes(cache) / 2**20
     return row
@@ -170,9 +182,10 @@ def check_real_weights(length: int = 2048) -> dict:
     return {name: float(value) for name, value in result.items()}
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], goals: dict | None = None) -> dict:
     """Ratios against the source in the same run: forward time by length, decoding speed-up, state over the KV
-    cache; each goal met or not."""
+    cache; each goal of `goals` (default: issue 46's, which are for the CPU) met or not."""
+    goals = GOALS if goals is None else goals
     by = {(r["model"], r["dtype"], r["length"]): r for r in rows}
     out = {}
     for (model, dtype, length), row in sorted(by.items()):
@@ -183,7 +196,7 @@ def summary(rows: list[dict]) -> dict:
                  "state_over_kv_cache": row["cache_mib"] / source["cache_mib"]}
         if "decode_tokens_per_s" in row and "decode_tokens_per_s" in source:
             entry["decode_speedup"] = row["decode_tokens_per_s"] / source["decode_tokens_per_s"]
-        goal = GOALS.get((model, length)) if dtype == "float32" else None
+        goal = goals.get((model, length)) if dtype == "float32" else None
         if goal is not None:
             entry["forward_goal"] = goal
             entry["meets_forward_goal"] = entry["forward_time_over_source"] <= goal
@@ -230,12 +243,13 @@ def plot(report: dict, path: Path) -> None:
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o", label=model)
         axis.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="forward with cache (s)",
-                 title=f"{dtype}, {report['setup']['threads']} threads")
+                 title=f"{dtype}, {report['setup'].get('device') or str(report['setup']['threads']) + ' threads'}")
         if axis.lines:
             axis.legend()
         else:
             axis.text(0.5, 0.5, "not measured", ha="center", transform=axis.transAxes)
-    fig.suptitle(f"SmolLM2-135M shapes: attnzoo's near part vs transformers' SDPA ({report['environment']['cpu']})")
+    machine = report["environment"].get("device") or report["environment"]["cpu"]
+    fig.suptitle(f"SmolLM2-135M shapes: attnzoo's near part vs transformers' SDPA ({machine})")
     save_figure(fig, path)
 
 
@@ -246,6 +260,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each worker (2: the goal's)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (the goals'), cuda or cuda:N: a GPU run (issue 48), its own report (--results)")
     parser.add_argument("--decode_steps", type=int, default=16, help="decoding steps after the longest prompt")
     parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)  # fewer layers: the tests
     parser.add_argument("--check_real_weights", action="store_true",
@@ -260,30 +276,43 @@ def main(argv=None) -> None:
             parser.error(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if any(length < 128 for length in args.lengths):
         parser.error(f"--lengths {args.lengths} is invalid: give prompt lengths of at least 128 tokens.")
+    if args.device != "cpu":
+        import torch
+
+        if args.device.split(":")[0] != "cuda":
+            parser.error(f"--device {args.device} is invalid: use cpu, cuda or cuda:N.")
+        if not torch.cuda.is_available():  # asks the driver; makes no CUDA context the workers would have to share
+            parser.error(f"--device {args.device} is invalid here: no CUDA device is visible; use --device cpu.")
     if args.readme_only:
         report = read_report(args.results, validate, LABEL)
         write_between_markers(README, *MARKERS, table(report))
         return
     setup = {"threads": args.threads, "decode_steps": args.decode_steps, "layers": args.layers,
              "config": SMOLLM2, "designs": DESIGNS}
+    on_gpu = args.device != "cpu"
+    if on_gpu:  # a GPU run is another setup, so never mixed into the CPU report (its device named in it)
+        setup["device"] = cuda_device_name(args.device)
     target = report_target(args.results, setup, validate, LABEL)  # this benchmark's own report, or a new file
     report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,
                                                                              "rows": []}
-    report["environment"] = cpu_environment()
+    report["environment"] = cpu_environment() | ({"device": setup["device"]} if on_gpu else {})
     key, longest = ("model", "dtype", "length"), max(args.lengths)
     jobs = [{"model": model, "dtype": dtype, "length": length, "threads": args.threads,
              "decode_steps": args.decode_steps if length == longest else 0, "layers": args.layers}
+            | ({"device": args.device} if on_gpu else {})
             for dtype in args.dtypes for length in sorted(args.lengths) for model in args.models]
 
+    goals = {} if on_gpu else GOALS  # issue 46's goals are for 2 CPU threads
+
     def keep(report):
-        report["summary"] = summary(report["rows"])
+        report["summary"] = summary(report["rows"], goals)
         write_report(target, report)
 
     measure_missing_rows(report, jobs, key, lambda job: run_worker(__file__, [json.dumps(job)]), keep,
                          args.remeasure)
     if args.check_real_weights:
         report["real_weights"] = check_real_weights()
-    report["summary"] = summary(report["rows"])
+    report["summary"] = summary(report["rows"], goals)
     write_report(target, report)
     plot(report, target.with_suffix(".png"))
     if publishes_tables(target, COMMITTED):

@@ -71,3 +71,48 @@ def test_readme_only_names_a_bad_results_file(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="mine.json"):
         bench.main(["--readme_only", "--results", str(bad)])
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "use cpu, cuda or cuda:N"),
+                                             ("cuda", "no CUDA device is visible; use --device cpu")])
+def test_a_bad_device_names_the_flag(device, message, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", device, "--lengths", "128"])
+    err = capsys.readouterr().err
+    assert f"--device {device}" in err and message in err
+
+
+def test_a_gpu_run_is_its_own_report_with_the_device_in_every_job_and_no_cpu_goals(tmp_path, monkeypatch):
+    """On a GPU (issue 48's `near` stage of benchmarks/gpu_session.sh) every worker gets the device, the report's
+    setup and environment name the GPU, the CPU goals are not judged, and the README is left alone. The workers are
+    stand-ins here: this machine has no GPU to measure on."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "cuda_device_name", lambda device: "NVIDIA H200")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{bench.MARKERS[0]}\nold\n{bench.MARKERS[1]}\n")
+    monkeypatch.setattr(bench, "README", readme)
+    jobs = []
+
+    def worker(script, args):
+        job = json.loads(args[0])
+        jobs.append(job)
+        seconds = {"source": 2.0, "window": 1.0, "lsh_window": 1.5}[job["model"]]
+        return {"prefill_s": seconds, "tokens_per_s_prefill": job["length"] / seconds, "peak_growth_mib": 1.0,
+                "cache_mib": 1.0, **({"decode_tokens_per_s": 10.0 / seconds} if job["decode_steps"] else {})}
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    results = tmp_path / "near_part_speed_cuda.json"
+    bench.main(["--device", "cuda", "--dtypes", "float32", "--lengths", "8192", "32768", "--results", str(results)])
+    assert {job["device"] for job in jobs} == {"cuda"} and len(jobs) == 2 * len(bench.MODELS)
+    report = json.loads(results.read_text())
+    assert report["setup"]["device"] == "NVIDIA H200" and report["environment"]["device"] == "NVIDIA H200"
+    entry = report["summary"]["window/float32/32768"]
+    assert entry["forward_time_over_source"] == pytest.approx(0.5) and "meets_forward_goal" not in entry
+    assert entry["decode_speedup"] == pytest.approx(2.0)
+    assert readme.read_text().count("old") == 1
+    assert results.with_suffix(".png").stat().st_size > 0

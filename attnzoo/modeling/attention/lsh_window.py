@@ -77,6 +77,9 @@ SORTED_BLOCK = 32
 #: scores and masks (about 25 MB in float32) stay in the CPU's caches between the passes over them: 2^20 took 0.75x
 #: the time of 2^24 (300 MB a group) for a SmolLM2-shaped layer at 32K tokens on 2 cores, 2^18 and 2^19 no less.
 FAR_BLOCK_PAIRS = 1 << 20
+#: the bound off the CPU: a GPU has no such cache to fit and pays a few dozen kernel launches a group (the CPU's bound
+#: before, about 300 MB of scores and masks a group in float32)
+FAR_BLOCK_PAIRS_OFF_CPU = 1 << 24
 
 
 @dataclass
@@ -308,7 +311,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         sorted_positions = torch.nn.functional.pad(key_order, (K, C), value=-1)  # their key positions, -1: padding
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
-        per_group = max(1, FAR_BLOCK_PAIRS // (batch * heads * rounds * C * span))
+        pairs = FAR_BLOCK_PAIRS if device.type == "cpu" else FAR_BLOCK_PAIRS_OFF_CPU
+        per_group = max(1, pairs // (batch * heads * rounds * C * span))
         parts = [self._far_of_block_group(q, first, per_head, query_at[..., start * C:(start + per_group) * C],
                                           chunk_of_block[..., start:start + per_group], sorted_pairs,
                                           sorted_positions, *bounds)

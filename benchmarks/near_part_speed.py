@@ -23,6 +23,11 @@ with lsh_window's state <= 1.05x the source's KV cache and the window's flat.
 
     python benchmarks/near_part_speed.py            # benchmarks/results/near_part_speed.json and .png
     python benchmarks/near_part_speed.py --readme_only
+    python benchmarks/near_part_speed.py --device cuda --dtypes bfloat16 --lengths 8192 32768 131072 \
+        --results benchmarks/results/near_part_speed_cuda.json   # on a GPU (benchmarks/gpu_session.sh near)
+
+A GPU run times each worker on the device (synchronised; the prefill's memory is CUDA's peak allocation) and is its
+own report, the GPU named in its setup; the goals above are for the CPU and are not judged there.
 
 Each finished row is kept in the report as soon as it is measured; a rerun with the same setup measures only the
 rows the report lacks (`--remeasure` measures all). On 2 cores the source's 32K float32 prefill takes minutes; the

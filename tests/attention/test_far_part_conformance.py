@@ -14,7 +14,8 @@ VARIANTS = {
     "ra": [{"ra_variant": "biased"}],
     "lsh": [{"lsh_attend_to": "chunk"}, {"lsh_shared_qk": False},
             {"lsh_shared_qk": False, "lsh_group_rotations": True}],
-    "block": [{"block_query_size": 1}],
+    "block": [{"block_query_size": 1}, {"block_key_bits": 8, "block_value_bits": 4},
+              {"block_key_bits": 4, "block_value_bits": 8, "block_query_size": 1}],
 }
 CASES = [("window", {}), ("window", {"sink_positions": "adjacent"})] + [
     (f"{name}_window", settings) for name in sorted(FAR_PART_REGISTRY)
@@ -52,7 +53,8 @@ def test_every_far_part_meets_the_contract(case, check):
 def test_every_far_part_loads_from_the_code_its_checkpoint_carries(tmp_path):
     """One process without attnzoo loads every kind's checkpoint (a process per kind would cost 10 s each)."""
     remote_code_round_trips([("window", {}), *((f"{name}_window", {}) for name in sorted(FAR_PART_REGISTRY)),
-                             ("block_window", {"far_kv_heads": [[1]]})], tmp_path)
+                             ("block_window", {"far_kv_heads": [[1]]}),
+                             ("block_window", {"block_key_bits": 8, "block_value_bits": 4})], tmp_path)
 
 
 def test_the_registry_is_what_the_suite_covers():

@@ -36,6 +36,12 @@ left-aligned keys as whole blocks and scores its queries against them, in groups
 fits the CPU's caches runs several times faster than one that does not). Decoding keeps, beside the window's ring,
 the keys and values that have left the window (as a KV cache does, once), one key sum per block, the running query
 sums and the current selection: a new token costs O(number of blocks · d + (k + 2) b · d).
+
+With `block_key_bits` / `block_value_bits` set, the far keys / values are stored in 8 or 4 bits an entry, one scale
+and offset per token and head (`kv_quantisation`): decoding keeps the codes and reads back the gathered ones, and
+every form reads all far keys and values, and takes the block sums, as the store holds them (`round_trip`), so
+decoding still equals the full forward. A query reads every far key it would read unquantised, each within half a
+quantisation step; the window and sinks stay exact.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import math
 
 import torch
 
+from attnzoo.modeling.attention.kv_quantisation import dequantise, quantise, round_trip
 from attnzoo.modeling.attention.lsh import gather_grouped
 from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
@@ -52,6 +59,9 @@ from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 #: gathered keys, values and scores of a group in the CPU's caches (on SmolLM2's shapes at 16K tokens, groups of
 #: 2^14 gathered keys ran the far part several times faster than groups of 2^22, which live in memory)
 GATHERED_KEYS = 1 << 14
+
+#: the decoding state's entries of the far keys and values: (the vectors, or their codes; their ranges when quantised)
+STORES = {"key": ("block_keys", "block_key_ranges"), "value": ("block_values", "block_value_ranges")}
 
 
 def selectable_blocks(block_start: torch.Tensor, window: int, sinks: int, size: int) -> torch.Tensor:
@@ -82,6 +92,27 @@ class BlockFarPart(FarPart):
         self.size, self.topk = config.block_size, config.block_topk
         self.query_size = config.block_query_size or config.block_size
         self.lookback = self.size // self.query_size  # query blocks before a block's first query that select
+        self.bits = {"key": config.block_key_bits, "value": config.block_value_bits}
+
+    def _as_read(self, what: str, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values x (`what`: "key" or "value") as the far part reads them: as its store holds them."""
+        return round_trip(x, self.bits[what])
+
+    def _stored(self, what: str, x: torch.Tensor) -> dict:
+        """The state entries that hold keys or values x [B, kv, N, e]: x itself, or its codes and ranges."""
+        name, ranges = STORES[what]
+        if self.bits[what] is None:
+            return {name: x}
+        codes, scales = quantise(x, self.bits[what])
+        return {name: codes, ranges: scales}
+
+    def _read_stored(self, stored: dict, what: str, index: torch.Tensor) -> torch.Tensor:
+        """The keys or values of the state `stored` at index [B, H, n] -> [B, H, n, e] (`gather_grouped`)."""
+        name, ranges = STORES[what]
+        x = gather_grouped(stored[name], index)
+        if self.bits[what] is None:
+            return x
+        return dequantise(x, gather_grouped(stored[ranges], index), self.bits[what])
 
     def _key_positions(self, chosen_blocks, chosen, tail_start):
         """(positions [..., k b] of the chosen blocks' keys, which of them are read, positions [..., 2b] of the tail
@@ -94,7 +125,7 @@ class BlockFarPart(FarPart):
 
     # -- the parallel form ------------------------------------------------------------------------------------------
     def parallel(self, x: FarInputs) -> FarOutput:
-        q, k, v = x.q, x.k, x.v
+        q, k, v = x.q, self._as_read("key", x.k), self._as_read("value", x.v)
         batch, heads, length, dim = q.shape
         size, window, sinks, qsize = self.size, self.window_size, self.sinks, self.query_size
         query_blocks = -(-length // qsize)
@@ -123,7 +154,7 @@ class BlockFarPart(FarPart):
         outputs = [self._attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
                                 chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
         num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))
-        state = self._start_state(q_blocks, k, v, x.n_real, chosen_blocks, chosen) if x.keep_state else None
+        state = self._start_state(q_blocks, x.k, x.v, k, x.n_real, chosen_blocks, chosen) if x.keep_state else None
         return FarOutput(num, den, lse, state)
 
     def _sums_before(self, block_sums):
@@ -166,10 +197,10 @@ class BlockFarPart(FarPart):
         return normalised_far(logits.masked_fill(~allowed, float("-inf")), values)
 
     # -- decoding ---------------------------------------------------------------------------------------------------
-    def _start_state(self, q_blocks, k, v, n_real, chosen_blocks, chosen):
-        """The keys and values that have left the window (positions below L - W; the ring holds the rest), the key
-        sums of the far keys each row's last token saw, the query sums of its block and the block before, and the
-        selection its block made."""
+    def _start_state(self, q_blocks, k, v, k_read, n_real, chosen_blocks, chosen):
+        """The keys and values that have left the window (positions below L - W; the ring holds the rest), as stored,
+        the key sums of the far keys each row's last token saw (of `k_read`, the keys as read), the query sums of its
+        block and the block before, and the selection its block made."""
         window = self.window_size
         length = k.shape[2]
         gone = max(length - window, 0)
@@ -187,8 +218,9 @@ class BlockFarPart(FarPart):
         earlier = current[:, None] - self.lookback + torch.arange(self.lookback, device=k.device)  # [B, r], oldest 1st
         prev = real_sums[rows[:, None], :, earlier.clamp(min=0)].transpose(1, 2)  # [B, H, r, d]
         prev = torch.where(has_tokens[..., None] & (earlier >= 0)[:, None, :, None], prev, 0.0)
-        return dict(block_keys=with_spare_tokens(k[:, :, :gone]), block_values=with_spare_tokens(v[:, :, :gone]),
-                    block_key_sums=with_spare_tokens(self._key_block_sums(k, real_far)),
+        stores = {**self._stored("key", k[:, :, :gone]), **self._stored("value", v[:, :, :gone])}
+        return dict({name: with_spare_tokens(x) for name, x in stores.items()},
+                    block_key_sums=with_spare_tokens(self._key_block_sums(k_read, real_far)),
                     block_query_sum=cur, block_query_sums_before=prev,
                     block_selection=chosen_blocks[rows, :, current],
                     block_selected=chosen[rows, :, current] & has_tokens)
@@ -201,8 +233,9 @@ class BlockFarPart(FarPart):
         size, window, sinks = self.size, self.window_size, self.sinks
         leaving_k, leaving_v, joins = x.leaving
         slot, room = (position - window).clamp(min=0), max(seen + 1 - window, 1)
-        stored["block_keys"] = write_at_rows(stored["block_keys"], slot, leaving_k, room)
-        stored["block_values"] = write_at_rows(stored["block_values"], slot, leaving_v, room)
+        for name, x_ in {**self._stored("key", leaving_k), **self._stored("value", leaving_v)}.items():
+            stored[name] = write_at_rows(stored[name], slot, x_, room)
+        leaving_k = self._as_read("key", leaving_k)
 
         needed = max((seen - window - sinks) // size + 1, 1)
         sums = with_room(stored["block_key_sums"], needed)  # before reading the joining key's block
@@ -232,8 +265,8 @@ class BlockFarPart(FarPart):
         index = torch.cat([in_blocks, tail[:, None].expand(-1, heads, -1)], -1)  # [B, H, n]
         allowed = torch.cat([block_ok, tail_ok[:, None].expand(-1, heads, -1)], -1)
         index = index.clamp(0, stored["block_keys"].shape[2] - 1)
-        keys = gather_grouped(stored["block_keys"], index)  # [B, H, n, d]
-        values = gather_grouped(stored["block_values"], index)
+        keys = self._read_stored(stored, "key", index)  # [B, H, n, d]
+        values = self._read_stored(stored, "value", index)
         logits = (keys @ query.unsqueeze(-1)).squeeze(-1) / math.sqrt(self.head_dim)
         return FarOutput(*normalised_far(logits.masked_fill(~allowed, float("-inf")).unsqueeze(-2), values), stored)
 
@@ -242,7 +275,7 @@ class BlockFarPart(FarPart):
         """Dense [L, L] form in the tokens' own order, positions counted in real tokens: each query's selection query
         and each block's mean key as masked sums, the chosen blocks by `topk` over every block, and the far keys it
         reads as a mask (`far` [B, L, L], the window rule's) -> one softmax over them."""
-        q, k, v, valid, far = x.q, x.k, x.v, x.valid, x.far
+        q, k, v, valid, far = x.q, self._as_read("key", x.k), self._as_read("value", x.v), x.valid, x.far
         size, window, sinks, qsize = self.size, self.window_size, self.sinks, self.query_size
         position = valid.long().cumsum(-1) - 1  # [B, L]
         start = position - position % qsize  # each query's block start

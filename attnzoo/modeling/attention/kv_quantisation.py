@@ -1,0 +1,56 @@
+"""Keys and values stored in a few bits: one (scale, low) pair per vector, its entries rounded to 2^bits levels.
+
+A far part that keeps every far key and value (block retrieval) holds as many bytes as a KV cache; read only a
+few at a time, they can be held in 8 or 4 bits each, as KV-cache quantisation does for a whole cache (KIVI, arXiv
+2402.02750; KVQuant, arXiv 2401.18079). Here each head's key or value vector x of one token (its e entries) is
+stored asymmetrically: low = min x, scale = (max x - low) / (2^bits - 1), codes round((x - low) / scale) in
+0 .. 2^bits - 1 (two 4-bit codes a byte), read back as codes * scale + low; the error is at most scale / 2 per
+entry. One pair per vector keeps what a token stores independent of every other token, so a decoding step stores
+exactly what the full forward reads: the full forward reads `round_trip(x)`, which is `dequantise(*quantise(x))`
+computed in the same operations. Its gradient is the identity (a straight-through estimator, as quantisation-aware
+training uses): the rounding has no useful gradient of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [..., e * bits / 8], ranges [..., 2] = (scale, low) in x's dtype) of vectors x [..., e]; bits is
+    8, or 4 for an even e (the configuration checks its fields)."""
+    levels = (1 << bits) - 1
+    low, high = x.detach().aminmax(dim=-1, keepdim=True)
+    scale = (high - low) / levels
+    scale = torch.where(scale > 0, scale, 1.0)  # a constant vector: every code 0, read back as low exactly
+    codes = ((x.detach() - low) / scale).round_().clamp_(0, levels).to(torch.uint8)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return codes, torch.cat([scale, low], -1)
+
+
+def dequantise(codes: torch.Tensor, ranges: torch.Tensor, bits: int) -> torch.Tensor:
+    """The vectors [..., e] that codes [..., e * bits / 8] and ranges [..., 2] hold, in the ranges' dtype."""
+    if bits == 4:
+        codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
+    return codes.to(ranges.dtype) * ranges[..., :1] + ranges[..., 1:]
+
+
+class _StraightThrough(torch.autograd.Function):
+    """`stored` exactly (x + (stored - x).detach() would round), with x's gradient the identity."""
+
+    @staticmethod
+    def forward(ctx, x, stored):
+        return stored.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def round_trip(x: torch.Tensor, bits: int | None) -> torch.Tensor:
+    """x as a store of `bits` bits holds it (x itself for None), with the identity as its gradient."""
+    if bits is None:
+        return x
+    stored = dequantise(*quantise(x, bits), bits)
+    return _StraightThrough.apply(x, stored) if x.requires_grad else stored

@@ -27,6 +27,14 @@
 #   reformer  Reformer against transformers' (1K-64K), Performer, RA/LARA
 #   near      issue 46's benchmark on the GPU: SmolLM2-135M's shapes, transformers' SDPA Llama against the window and
 #             lsh_window conversions in bfloat16 at 8K, 32K and 128K, decoding after 128K (not yet run on a GPU)
+#   smollm    issue 47's benchmark on the GPU: the real SmolLM2-135M-Instruct and its block-retrieval conversions
+#             (every head, and every head with its far store in 8/4 bits) on pass keys at 32K and 128K in bfloat16,
+#             into their own report (not yet run on a GPU). The GGUF (98 MB) is over one call's 64 MiB, so it travels
+#             in two halves, in two calls on one warm machine (a machine stays warm 30 s after a call, and keeps the
+#             ignored files an earlier call brought): here, once, `echo /.smol/ >> .git/info/exclude; mkdir -p .smol;
+#             split -b 48M "$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf" .smol/SmolLM2-135M-Instruct.Q4_1.gguf.part_`
+#             and gguf's wheel in .whl (`pip download --no-deps gguf==0.19.0 -d .whl`); the first call carries
+#             .smol/*part_aa (with the checks stage, say), the second .smol/*part_ab and .whl and runs this stage.
 # A session is lent 15 minutes of device time, the machine's start included: checks (about 110 s) and one or two more
 # stages fit in one call of at most 600 s, under one deadline (`export GPU_DEADLINE=$(( $(date +%s) + 580 ));
 # bash benchmarks/gpu_session.sh checks; bash benchmarks/gpu_session.sh speed`). Whatever a command writes outside
@@ -37,7 +45,7 @@
 # and the tests' JUnit report, into $OUT/results_<stage>.tgz ($OUT: default /tmp/gpu_session_out). Commit the JSON and
 # PNG files from it; never transcribe a figure.
 set -uo pipefail
-stage=${1:?"name a stage: checks, speed, paper, fla, decode, graphs, reformer or near"}
+stage=${1:?"name a stage: checks, speed, paper, fla, decode, graphs, reformer, near or smollm"}
 OUT=${OUT:-/tmp/gpu_session_out}
 mkdir -p "$OUT"
 log="$OUT/log_$stage.txt"
@@ -108,8 +116,16 @@ near)
     step 540 python3 benchmarks/near_part_speed.py --device cuda --dtypes bfloat16 --lengths 8192 32768 131072 \
         --decode_steps 32 --results benchmarks/results/near_part_speed_cuda.json
     ;;
+smollm)
+    gguf=.smol/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -f "$gguf" ] || cat .smol/SmolLM2-135M-Instruct.Q4_1.gguf.part_* > "$gguf"
+    step 560 python3 benchmarks/pretrained_long_context.py --device cuda --dtype bfloat16 --source "$gguf" \
+        --models_dir /tmp/plc_models --designs source block_fixed block_wide_quantised --lengths 32768 131072 \
+        --fillers repeat --depths 0.25 0.5 0.75 --trials 1 --long_length 131072 --long_trials 1 --no_loss \
+        --no_ruler --threads 16 --results benchmarks/results/pretrained_long_context_cuda.json
+    ;;
 *)
-    echo "unknown stage $stage: use checks, speed, paper, fla, decode, graphs, reformer or near" | tee -a "$log"
+    echo "unknown stage $stage: use checks, speed, paper, fla, decode, graphs, reformer, near or smollm" | tee -a "$log"
     exit 2
     ;;
 esac

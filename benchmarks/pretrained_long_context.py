@@ -26,6 +26,10 @@ Designs (each a named conversion of the source, converted once into --models_dir
 - `block_fixed_wide`: `block_fixed` reading --wide_block_topk blocks (64 of 32 keys: 2,048 far keys a query), the
   reference for the loss goal: every head retrieves, more blocks than `block_fixed`, and its decoding state is the
   source's KV cache (the loss `block_heads` leaves on the document is not in a few heads: see docs/long_context.md);
+- `block_wide_quantised`: `block_fixed_wide` with its far keys and values stored, and read, in --quantised_key_bits
+  and --quantised_value_bits bits an entry (`block_key_bits`, `block_value_bits`: one scale and offset per token and
+  head), the window and sinks exact: every head retrieves, in a state of about a quarter of the source's KV cache
+  (8-bit keys, 4-bit values, float32);
 - `block_bounded`: `block_fixed`'s far part in the --retrieval_top layers that read a far pass key most in the
   source (`attnzoo.evaluation.retrieval_layers`: the source's own attention weights on the key line, on pass-key
   prompts of --calibration_length tokens with the key at least window_size back; no training), window + sinks in
@@ -111,9 +115,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
     cache_state_bytes,
     cpu_environment,
+    cuda_device_name,
     measure_missing_rows,
     rows_report_check,
     save_figure,
+    sync,
     write_between_markers,
 )
 from owned_outputs import (  # noqa: E402
@@ -135,6 +141,7 @@ MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-conte
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_fixed_wide",
+                "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
                 "lsh_heads_centred")
 KEY = ("design", "length", "filler", "depth", "trial")
@@ -188,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queries per query block of block_fixed (a divisor of --block_size; see the docstring)")
     p.add_argument("--wide_block_topk", type=int, default=64,
                    help="blocks each query block of block_fixed_wide reads (block_fixed's other settings)")
+    p.add_argument("--quantised_key_bits", type=int, default=8,
+                   help="bits an entry of block_wide_quantised's far keys (8 or 4)")
+    p.add_argument("--quantised_value_bits", type=int, default=4,
+                   help="bits an entry of block_wide_quantised's far values (8 or 4)")
     p.add_argument("--retrieval_top", type=int, default=6, help="layers of block_bounded that keep the far part")
     p.add_argument("--calibration_length", type=int, default=4096,
                    help="tokens of block_bounded's calibration prompts (at most the source's training length)")
@@ -213,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic_factor", type=float, default=2.0, help="factor of source_dynamic's rope scaling")
     p.add_argument("--dtype", default="float32", help=f"one of {list(DTYPES)}")
     p.add_argument("--threads", type=int, default=2, help="torch threads (timings are for this many)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where the cells run; a GPU run is another setup (its device named in "
+                        "it), so its report goes beside the CPU one and the README table is left alone")
     p.add_argument("--max_seconds", type=float, default=None,
                    help="stop measuring new cells after this many seconds (the rest are left for a later run)")
     p.add_argument("--no_loss", dest="loss", action="store_false",
@@ -229,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_arguments(args) -> None:
     """BadArgument naming the argument and the fix, before anything is loaded or written."""
+    from attnzoo.configuration.block_retrieval import STORED_BITS
     from attnzoo.evaluation.passkey import FILLERS
 
     unknown = [d for d in args.designs if d not in DESIGN_NAMES]
@@ -258,6 +273,9 @@ def check_arguments(args) -> None:
     if args.block_size % args.block_query_size:
         raise BadArgument(f"--block_query_size={args.block_query_size}: give a divisor of --block_size="
                           f"{args.block_size} (query blocks tile the far-key blocks).")
+    for name in ("quantised_key_bits", "quantised_value_bits"):
+        if getattr(args, name) not in STORED_BITS:
+            raise BadArgument(f"--{name}={getattr(args, name)}: give one of {list(STORED_BITS)} bits an entry.")
     if args.num_sink_tokens < 0:
         raise BadArgument(f"--num_sink_tokens={args.num_sink_tokens}: give 0 or more sink tokens.")
     if args.dynamic_factor < 1:
@@ -269,6 +287,7 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--sink_positions {args.sink_positions!r}: pick 'adjacent' or 'absolute'.")
     if args.dtype not in DTYPES:
         raise BadArgument(f"--dtype {args.dtype!r}: pick one of {list(DTYPES)}.")
+    check_device(args.device)
     if args.ruler and ruler_lengths(args.lengths):
         from attnzoo.evaluation.harness import prepare_ruler_offline, task_manager
 
@@ -279,6 +298,19 @@ def check_arguments(args) -> None:
             raise BadArgument(f"--ruler_tasks: {error}; or pass --no_ruler.") from None
         except ValueError as error:
             raise BadArgument(f"--ruler_tasks: {error}") from None
+
+
+def check_device(device: str) -> None:
+    """BadArgument unless `device` is cpu, or a CUDA device this machine has (cuda, cuda:N)."""
+    if device == "cpu":
+        return
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise BadArgument(f"--device {device!r}: use cpu, cuda or cuda:N.")
+    import torch
+
+    if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
+        raise BadArgument(f"--device {device!r}: no such CUDA device is visible here; use --device cpu.")
 
 
 def ruler_lengths(lengths: list[int]) -> list[int]:
@@ -332,6 +364,9 @@ def design_specs(args) -> dict[str, dict]:
         "window": {"family": "window", "model": window},
         "block_fixed": {"family": "hybrid", "model": every_head_blocks},
         "block_fixed_wide": {"family": "hybrid", "model": {**every_head_blocks, "block_topk": args.wide_block_topk}},
+        "block_wide_quantised": {"family": "hybrid", "model": {**every_head_blocks, "block_topk": args.wide_block_topk,
+                                                               "block_key_bits": args.quantised_key_bits,
+                                                               "block_value_bits": args.quantised_value_bits}},
         "block_bounded": {"family": "hybrid", "model": {**window, **block},
                           "retrieval_layers": {"top": args.retrieval_top, "far_kind": "block_window",
                                                "far_positions": "fixed",
@@ -542,12 +577,12 @@ def recorded_scores(models_dir: Path, scores_key: str) -> dict | None:
 _LOADED: dict = {"key": None}
 
 
-def load_design(folder: str, rope: dict | None, dtype: str):
-    """(model, tokenizer) of a design, kept loaded while the next cells use the same one."""
+def load_design(folder: str, rope: dict | None, dtype: str, device: str = "cpu"):
+    """(model on `device`, tokenizer) of a design, kept loaded while the next cells use the same one."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    key = (folder, json.dumps(rope, sort_keys=True), dtype)
+    key = (folder, json.dumps(rope, sort_keys=True), dtype, device)
     if _LOADED["key"] != key:
         _LOADED.clear()
         _LOADED["key"] = None
@@ -555,7 +590,8 @@ def load_design(folder: str, rope: dict | None, dtype: str):
         config = AutoConfig.from_pretrained(folder)
         if rope:
             config.rope_parameters = {**config.rope_parameters, **rope}
-        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=getattr(torch, dtype)).eval()
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=getattr(torch, dtype))
+        model = model.to(device).eval()
         _LOADED.update(key=key, model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
     return _LOADED["model"], _LOADED["tokenizer"]
 
@@ -579,18 +615,20 @@ def measure(job: dict) -> dict:
     started = time.perf_counter()
     torch.set_num_threads(job["threads"])
     rope = rope_of(job)
-    was_loaded = _LOADED["key"]
-    model, tokenizer = load_design(job["folder"], rope, job["dtype"])
+    was_loaded, device = _LOADED["key"], job.get("device", "cpu")
+    model, tokenizer = load_design(job["folder"], rope, job["dtype"], device)
     load_s = time.perf_counter() - started if _LOADED["key"] != was_loaded else 0.0
     prompt = passkey_prompt(tokenizer, job["length"], job["depth"], random.Random(f"{job['seed']}:{job['trial']}"),
                             digits=job["digits"], filler=job["filler"])
     max_new = len(prompt.answer_ids) + EXTRA_NEW_TOKENS
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    ids = torch.tensor([prompt.input_ids])
+    ids = torch.tensor([prompt.input_ids], device=device)
     with torch.inference_mode():
+        sync(device)
         start = time.perf_counter()
         out = model(ids, use_cache=True, logits_to_keep=1)
+        sync(device)
         prefill_s = time.perf_counter() - start
         cache = output_cache(out)
         state_bytes = cache_state_bytes(cache)
@@ -600,7 +638,7 @@ def measure(job: dict) -> dict:
         while len(tokens) < max_new and tokens[-1] not in eos:
             out = model(token, **{CACHE_KW: cache}, use_cache=True)
             cache, token = output_cache(out), out.logits[:, -1:].argmax(-1)
-            tokens.append(int(token))
+            tokens.append(int(token))  # (a device sync: each step waits for the last)
             steps += 1
         decode_s = time.perf_counter() - start
     continuation = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -642,9 +680,11 @@ def measure_loss(job: dict) -> dict:
 
     started = time.perf_counter()
     torch.set_num_threads(job["threads"])
-    model, tokenizer = load_design(job["folder"], rope_of(job), job["dtype"])
-    ids = torch.tensor([document_ids(tokenizer, job["length"])])
+    device = job.get("device", "cpu")
+    model, tokenizer = load_design(job["folder"], rope_of(job), job["dtype"], device)
+    ids = torch.tensor([document_ids(tokenizer, job["length"])], device=device)
     with torch.inference_mode():
+        sync(device)
         start = time.perf_counter()
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
         losses = []
@@ -652,8 +692,9 @@ def measure_loss(job: dict) -> dict:
             end = min(begin + LOSS_CHUNK, ids.shape[1] - 1)
             logits = model.lm_head(hidden[:, begin:end]).float()[0]
             losses.append(torch.nn.functional.cross_entropy(logits, ids[0, begin + 1:end + 1], reduction="none"))
+        sync(device)
         forward_s = time.perf_counter() - start
-    nll = torch.cat(losses).double()  # nll[t]: the loss of predicting token t + 1
+    nll = torch.cat(losses).double().cpu()  # nll[t]: the loss of predicting token t + 1
     position = torch.arange(1, ids.shape[1])
     by_position = {f"{a}-{b}": float(nll[(position >= a) & (position < b)].mean())
                    for a, b in loss_bins(job["length"], job["native"]) if ((position >= a) & (position < b)).any()}
@@ -679,6 +720,7 @@ def measure_ruler(job: dict) -> dict:
     if rope:
         model_args["rope_parameters"] = {**AutoConfig.from_pretrained(job["folder"]).rope_parameters, **rope}
     results = lm_harness.run(job["folder"], [job["task"]], limit=job["samples"], model_args=model_args,
+                             device=job.get("device", "cpu"),
                              log_samples=True, bootstrap_iters=0, metadata={"max_seq_lengths": [job["length"]]})
     samples = sorted(results["samples"][job["task"]], key=lambda s: s["doc_id"])
     scores = [float(s[str(job["length"])]) for s in samples]
@@ -890,6 +932,9 @@ def main(argv=None) -> dict | None:
     specs = design_specs(args)
     setup = {"source": identity, "designs": specs, "seed": args.seed, "digits": args.digits, "dtype": args.dtype,
              "threads": args.threads, "scoring": "attnzoo.evaluation.passkey.is_correct, greedy, batch 1"}
+    on_gpu = args.device != "cpu"
+    if on_gpu:  # another setup: its report goes beside the CPU one, never into it
+        setup["device"] = cuda_device_name(args.device)
     # refused before anything is converted
     target = report_target(args.results, setup, REPORT_CHECK, LABEL, setup_of=with_new_designs(setup))
     designs = list(dict.fromkeys(args.designs))
@@ -915,11 +960,12 @@ def main(argv=None) -> dict | None:
                 entry["positive_share"] = positive_share(
                     record, AutoConfig.from_pretrained(folders[name]).num_key_value_heads)
             report.setdefault("calibration", {})[name] = entry
-    report.update(native_length=native, grid=grid, environment=cpu_environment(),
+    report.update(native_length=native, grid=grid,
+                  environment=cpu_environment() | ({"device": setup["device"]} if on_gpu else {}),
                   command="python benchmarks/pretrained_long_context.py " + " ".join(
                       str(a) for a in (argv if argv is not None else sys.argv[1:])))
     jobs = [dict(zip(KEY, cell, strict=True), folder=folders[cell[0]], spec=specs[cell[0]], native=native,
-                 seed=args.seed, digits=args.digits, dtype=args.dtype, threads=args.threads)
+                 seed=args.seed, digits=args.digits, dtype=args.dtype, threads=args.threads, device=args.device)
             for cell in grid_cells(grid, native)]
     started, left = time.perf_counter(), []
 
@@ -952,11 +998,11 @@ def main(argv=None) -> dict | None:
         return keep_part
 
     loss_jobs = [dict(design=design, length=length, folder=folders[design], spec=specs[design], native=native,
-                      dtype=args.dtype, threads=args.threads)
+                      dtype=args.dtype, threads=args.threads, device=args.device)
                  for length in grid["lengths"] for design in designs if runs_at(design, length, native)]
     loss_part = {"rows": report.setdefault("loss_rows", [])}
     ruler_jobs = [dict(design=design, task=task, length=length, folder=folders[design], spec=specs[design],
-                       native=native, dtype=args.dtype, threads=args.threads,
+                       native=native, dtype=args.dtype, threads=args.threads, device=args.device,
                        nltk_data=str(args.models_dir / "nltk_data"),
                        samples=args.ruler_long_samples if length >= args.long_length else args.ruler_samples)
                   for length in ruler_lengths(grid["lengths"]) for design in designs if runs_at(design, length, native)

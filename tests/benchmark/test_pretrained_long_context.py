@@ -84,6 +84,14 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
                    for name in ("block_fixed", "block_fixed_wide"))
     assert (fixed["block_topk"], wide["block_topk"]) == (1, 2)
     assert {k: v for k, v in wide.items() if k != "block_topk"} == {k: v for k, v in fixed.items() if k != "block_topk"}
+    # block_wide_quantised: block_fixed_wide's layout, its far keys in 8 bits and values in 4: every head's far keys
+    # in fewer bytes than block_fixed_wide's
+    quantised = json.loads(next((tmp_path / "models").glob("block_wide_quantised-*/config.json")).read_text())
+    assert (quantised["block_key_bits"], quantised["block_value_bits"]) == (8, 4)
+    assert (wide["block_key_bits"], wide["block_value_bits"]) == (None, None)
+    assert {k: v for k, v in quantised.items() if not k.endswith("_bits")} == {
+        k: v for k, v in wide.items() if not k.endswith("_bits")}
+    assert rows["block_wide_quantised"]["state_bytes"] < rows["block_fixed_wide"]["state_bytes"]
     # block_attributed: calibrated on block_fixed's own far parts (their attributions, one per layer)
     attributed = json.loads(next((tmp_path / "models").glob("block_attributed-*/calibration.json")).read_text())
     assert attributed["method"] == "attribution" and attributed["far_layers"] == [0] and attributed["top"] == [0]
@@ -142,7 +150,7 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert readme.read_text().count("old") == 1  # not the committed report: the README is left alone
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
-                                                 "block_fixed_wide", "block_heads",
+                                                 "block_fixed_wide", "block_heads", "block_wide_quantised",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
                                                  "window"]
 
@@ -193,12 +201,49 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
                                          ("--fillers", "lorem"), ("--trials", "0"), ("--dtype", "int8"),
                                          ("--sink_positions", "middle"), ("--block_query_size", "5"),
                                          ("--centred_buckets", "5"), ("--centred_hashes", "0"),
-                                         ("--wide_block_topk", "0")])
+                                         ("--wide_block_topk", "0"), ("--quantised_key_bits", "2"),
+                                         ("--quantised_value_bits", "16"), ("--device", "tpu"),
+                                         ("--device", "cuda:x")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),
                     "--results", str(tmp_path / "plc.json"), flag, value])
     assert not (tmp_path / "models").exists() and not (tmp_path / "plc.json").exists()
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused(tmp_path, source, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device 'cuda:1': no such CUDA device is visible here; use --device cpu"):
+        run(tmp_path, source, "--device", "cuda:1")
+    assert not (tmp_path / "models").exists() and not (tmp_path / "plc.json").exists()
+
+
+def test_a_gpu_run_is_its_own_report_beside_the_cpu_one(tmp_path, source, monkeypatch):
+    """With --device cuda every cell is measured on that device, and the report, whose setup names the GPU, goes
+    beside the CPU report of the same cells rather than into it (here with the device faked and the cells measured
+    by a stand-in that records where it was asked to run)."""
+    cells = ["--designs", "source", "block_wide_quantised", "--no_loss", "--no_ruler"]
+    run(tmp_path, source, *cells)
+    cpu_report = (tmp_path / "plc.json").read_text()
+    asked = []
+
+    def on_device(job):
+        asked.append(job["device"])
+        return {"correct": True, "passkey": "12345", "continuation": " 12345", "key_position": 0, "depth_used": 0.5,
+                "rope": None, "prefill_s": 0.5, "decode_steps": 1, "decode_tokens_per_s": 2.0, "state_bytes": 8,
+                "load_s": 0.0, "cell_s": 1.0}
+
+    monkeypatch.setattr(bench, "check_device", lambda device: None)
+    monkeypatch.setattr(bench, "cuda_device_name", lambda device: "NVIDIA Stand-in")
+    monkeypatch.setattr(bench, "measure", on_device)
+    run(tmp_path, source, *cells, "--device", "cuda")
+    assert asked == ["cuda", "cuda"] and (tmp_path / "plc.json").read_text() == cpu_report
+    (gpu,) = [path for path in tmp_path.glob("plc*.json") if path.name != "plc.json"]
+    saved = json.loads(gpu.read_text())
+    assert saved["setup"]["device"] == saved["environment"]["device"] == "NVIDIA Stand-in"
+    assert [row["prefill_s"] for row in saved["rows"]] == [0.5, 0.5]
 
 
 def test_a_foreign_results_file_is_refused_and_left_as_it_was(tmp_path, source, measured):

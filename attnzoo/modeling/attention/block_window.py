@@ -59,6 +59,9 @@ from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 #: gathered keys, values and scores of a group in the CPU's caches (on SmolLM2's shapes at 16K tokens, groups of
 #: 2^14 gathered keys ran the far part several times faster than groups of 2^22, which live in memory)
 GATHERED_KEYS = 1 << 14
+#: the same bound off the CPU: a GPU gains nothing from cache-sized groups and would pay each group's launches (at
+#: 128K tokens, 2^14 keys a group would be some 10^4 groups a layer)
+GATHERED_KEYS_OFF_CPU = 1 << 22
 
 #: the decoding state's entries of the far keys and values: (the vectors, or their codes; their ranges when quantised)
 STORES = {"key": ("block_keys", "block_key_ranges"), "value": ("block_values", "block_value_ranges")}
@@ -150,7 +153,8 @@ class BlockFarPart(FarPart):
         positions = torch.arange(padded, device=q.device).view(query_blocks, qsize)
         tail = sinks + selectable[:, None] * size + torch.arange(2 * size, device=q.device)  # [T, 2b]
         tail_ok = tail.unsqueeze(-2) <= (positions - window).unsqueeze(-1)  # [T, s, 2b]
-        group = max(1, GATHERED_KEYS // (batch * heads * read.shape[-1] * size))
+        bound = GATHERED_KEYS if q.device.type == "cpu" else GATHERED_KEYS_OFF_CPU
+        group = max(1, bound // (batch * heads * read.shape[-1] * size))
         outputs = [self._attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
                                 chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
         num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))

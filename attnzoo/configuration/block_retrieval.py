@@ -5,7 +5,8 @@ from __future__ import annotations
 from attnzoo.configuration.base import ZooConfig
 from attnzoo.validation import check_int, check_positive_ints, fail
 
-#: the bit widths of a quantised far store (attnzoo.modeling.attention.kv_quantisation)
+#: the bit widths of a quantised far store (attnzoo.modeling.attention.kv_quantisation.STORE_BITS; the configuration
+#: imports nothing of the models)
 STORED_BITS = (8, 4)
 
 
@@ -24,8 +25,8 @@ class ZooBlockRetrievalSettings(ZooConfig):
             answer's first token) at the cost of gathering the chosen keys once per smaller block.
         block_key_bits, block_value_bits: the far keys (values) a decoding step keeps, and the full forward reads,
             in 8 or 4 bits an entry, with one scale and offset per token and head (`kv_quantisation`); None keeps
-            them as computed. The window and sinks stay exact. In float32, 8-bit keys and 4-bit values hold the far
-            store in 0.22x the bytes of a KV cache.
+            them as computed. The window and sinks stay exact. With head_dim 64 in float32, 8-bit keys and 4-bit
+            values hold the far store in 0.22x the bytes of a float32 KV cache.
     """
 
     block_size: int = 128

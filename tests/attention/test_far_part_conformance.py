@@ -26,6 +26,7 @@ CASES += [(f"{name}_window", {"far_positions": ["none"]}) for name in sorted(FAR
 #: its triple to every query head
 CASES += [(f"{name}_window", {"far_kv_heads": [[1]]}) for name in sorted(FAR_PART_REGISTRY)]
 CASES += [("lsh_window", {"far_kv_heads": [[1]], "lsh_shared_qk": False})]
+CASES += [("block_window", {"far_kv_heads": [[1]], "block_key_bits": 8, "block_value_bits": 4})]
 #: checks a setting does not promise: LSH's "chunk" candidates are the chunks around a query in the sorted order of
 #: the whole sequence, which a decoding step does not have (only "bucket" decodes as the full forward does;
 #: docs/lsh_attention.md, section 6)

@@ -112,6 +112,55 @@ def test_decoding_holds_codes_and_their_ranges(key_bits, value_bits, bytes_over_
     assert cached.tolist() == uncached.tolist()
 
 
+def test_decoding_stores_what_the_prefill_stores_and_sums_the_stored_keys():
+    """The state after a prefill of 30 tokens, and after a prefill of 18 and 12 decoding steps: the same codes and
+    ranges for every far token, and block key sums that are the sums of the stored keys read back (not of the keys
+    as computed), block by block from the first far position."""
+    torch.manual_seed(0)
+    model = ZooHybridForCausalLM(config(num_hidden_layers=1, block_key_bits=8, block_value_bits=4)).double().eval()
+    ids = torch.randint(1, 37, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = far_state(output_cache(model(ids, use_cache=True)).layers[0])
+        out = model(ids[:, :18], use_cache=True)
+        for t in range(18, 30):
+            out = model(ids[:, t:t + 1], cache=output_cache(out), use_cache=True)
+    stepped = far_state(output_cache(out).layers[0])
+    gone, sinks, size = 30 - 4, 2, 3  # tokens that left the window of 4; sinks; block size
+    for name in ("block_keys", "block_values"):
+        assert torch.equal(whole[name][:, :, :gone], stepped[name][:, :, :gone]), name
+    for name in ("block_key_ranges", "block_value_ranges"):
+        torch.testing.assert_close(whole[name][:, :, :gone], stepped[name][:, :, :gone], rtol=1e-13, atol=1e-14)
+    read = dequantise(whole["block_keys"][:, :, sinks:gone], whole["block_key_ranges"][:, :, sinks:gone], 8)
+    blocks = -(-(gone - sinks) // size)
+    read = torch.nn.functional.pad(read, (0, 0, 0, blocks * size - read.shape[2]))
+    sums = read.view(*read.shape[:2], blocks, size, -1).sum(3)
+    for state in (whole, stepped):
+        torch.testing.assert_close(state["block_key_sums"][:, :, :blocks], sums, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bits", [2, 16, True])
+def test_quantise_refuses_a_width_it_does_not_store(bits):
+    with pytest.raises(ValueError, match=rf"bits={bits!r} is not a stored width: use one of \(8, 4\)"):
+        quantise(torch.randn(2, 8), bits)
+    with pytest.raises(ValueError, match="4-bit entries pack two a byte and the vectors have 7 entries"):
+        quantise(torch.randn(2, 7), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_vectors_are_quantised_in_float32(dtype):
+    """A range past float16's 65504 and bfloat16's coarse steps: the codes and ranges are computed in float32, and
+    the round trip comes back in the input's dtype within half a step (and the input's own rounding)."""
+    x = (torch.randn(4, 16, generator=torch.Generator().manual_seed(0)) * 1.6e4).to(dtype)
+    assert torch.isfinite(x).all() and (x.float().amax(-1) - x.float().amin(-1) > 65504).any()
+    codes, ranges = quantise(x, 8)
+    assert ranges.dtype == torch.float32 and torch.isfinite(ranges).all()
+    back = round_trip(x, 8)
+    assert back.dtype == dtype
+    step = ranges[..., :1].expand(4, 16)
+    error = (back.float() - x.float()).abs()
+    assert (error <= step / 2 + x.float().abs() * torch.finfo(dtype).eps).all()
+
+
 @pytest.mark.parametrize("field", ["block_key_bits", "block_value_bits"])
 @pytest.mark.parametrize("bits", [2, 16, True, 8.0, "8"])
 def test_bad_store_bits_are_refused_naming_the_field(field, bits):

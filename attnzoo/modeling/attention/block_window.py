@@ -33,15 +33,18 @@ query.
 The parallel form gathers each query block's selected blocks and its tail (blocks M_t and M_t + 1) from the
 left-aligned keys as whole blocks and scores its queries against them, in groups of query blocks bounded by
 `GATHERED_KEYS` (the whole sequence at 32K tokens would need gigabytes of gathered keys and scores; a group that
-fits the CPU's caches runs several times faster than one that does not). Decoding keeps, beside the window's ring,
-the keys and values that have left the window (as a KV cache does, once), one key sum per block, the running query
-sums and the current selection: a new token costs O(number of blocks · d + (k + 2) b · d).
+fits the CPU's caches runs several times faster than one that does not; off the CPU, `GATHERED_KEYS_OFF_CPU`).
+Decoding keeps, beside the window's ring, the keys and values that have left the window (as a KV cache does,
+once), one key sum per block, the running query sums and the current selection: a new token costs O(number of
+blocks · d + (k + 2) b · d).
 
 With `block_key_bits` / `block_value_bits` set, the far keys / values are stored in 8 or 4 bits an entry, one scale
 and offset per token and head (`kv_quantisation`): decoding keeps the codes and reads back the gathered ones, and
 every form reads all far keys and values, and takes the block sums, as the store holds them (`round_trip`), so
-decoding still equals the full forward. A query reads every far key it would read unquantised, each within half a
-quantisation step; the window and sinks stay exact.
+decoding still equals the full forward (up to a key that a step computes a rounding error away from the full
+forward's and that rounds to the next level: `kv_quantisation`). The blocks are chosen by the mean of the stored
+keys, so a near tie may choose another block than unquantised; each key and value read is within half a
+quantisation step of the computed one, and the window and sinks stay exact.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attnzoo import ZooReformerConfig, ZooReformerForCausalLM
+from attnzoo import ZooHybridConfig, ZooReformerConfig, ZooReformerForCausalLM
 from attnzoo.modeling.attention import Recomputation, UsesRecomputation
 from attnzoo.transformers_compat import output_cache
 
@@ -17,6 +17,16 @@ def config(**overrides):
                   lsh_num_buckets=4, local_chunk_length=4, hidden_dropout_prob=0.0)
     values.update(overrides)
     return ZooReformerConfig(**values)
+
+
+def block_config(**overrides) -> ZooHybridConfig:
+    """A 2-layer grouped-query rotary decoder of block retrieval ("block_window"): window 4, 2 sinks, blocks of 3."""
+    values = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
+                  position_embedding_type="rotary", is_decoder=True, vocab_size=37, num_hidden_layers=2,
+                  intermediate_size=48, hidden_dropout_prob=0.0, pad_token_id=0, max_position_embeddings=64,
+                  attention_head_size=None, block_size=3, block_topk=2, attn_layers=["block_window"])
+    values.update(overrides)
+    return ZooHybridConfig(**values)
 
 
 def lm_config(**overrides):

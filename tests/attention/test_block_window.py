@@ -10,20 +10,12 @@ import math
 import pytest
 import torch
 
-from attnzoo import ZooHybridConfig, ZooHybridForCausalLM
+from attnzoo import ZooHybridForCausalLM
 from attnzoo.modeling.attention import build_attention
 from attnzoo.modeling.attention.block_window import selectable_blocks
 from attnzoo.modeling.attention.windowed import FarInputs, far_state
 from attnzoo.transformers_compat import output_cache
-
-
-def config(**overrides) -> ZooHybridConfig:
-    values = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, window_size=4, num_sink_tokens=2,
-                  position_embedding_type="rotary", is_decoder=True, vocab_size=37, num_hidden_layers=2,
-                  intermediate_size=48, hidden_dropout_prob=0.0, pad_token_id=0, max_position_embeddings=64,
-                  attention_head_size=None, block_size=3, block_topk=2, attn_layers=["block_window"])
-    values.update(overrides)
-    return ZooHybridConfig(**values)
+from tests.attention.helpers import block_config as config
 
 
 def left_padded(length=40, pad=5):

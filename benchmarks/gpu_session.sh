@@ -28,10 +28,11 @@
 #   near      issue 46's benchmark on the GPU: SmolLM2-135M's shapes, transformers' SDPA Llama against the window and
 #             lsh_window conversions in bfloat16 at 8K, 32K and 128K, decoding after 128K (not yet run on a GPU)
 #   smollm    issue 47's benchmark on the GPU: the real SmolLM2-135M-Instruct and its block-retrieval conversions
-#             (every head, and every head with its far store in 8/4 bits) on pass keys at 32K and 128K in bfloat16,
+#             (every head with 16 and 64 blocks, and 64 with the far store in 8/4 bits) on pass keys at 32K and 128K
+#             in bfloat16,
 #             into their own report (not yet run on a GPU). The GGUF (98 MB) is over one call's 64 MiB, so it travels
 #             in two halves, in two calls on one warm machine (a machine stays warm 30 s after a call, and keeps the
-#             ignored files an earlier call brought): here, once, `echo /.smol/ >> .git/info/exclude; mkdir -p .smol;
+#             ignored files an earlier call brought): here, once (.smol/ is ignored), `mkdir -p .smol;
 #             split -b 48M "$SMOL/SmolLM2-135M-Instruct.Q4_1.gguf" .smol/SmolLM2-135M-Instruct.Q4_1.gguf.part_`
 #             and gguf's wheel in .whl (`pip download --no-deps gguf==0.19.0 -d .whl`); the first call carries
 #             .smol/*part_aa (with the checks stage, say), the second .smol/*part_ab and .whl and runs this stage.
@@ -119,8 +120,14 @@ near)
 smollm)
     gguf=.smol/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -f "$gguf" ] || cat .smol/SmolLM2-135M-Instruct.Q4_1.gguf.part_* > "$gguf"
+    if [ "$(stat -c %s "$gguf")" != 98362432 ]; then  # the bytes the CPU report's source has
+        echo "$gguf has $(stat -c %s "$gguf") bytes, not 98362432: a half did not travel" | tee -a "$log"
+        rm -f "$gguf"
+        exit 3
+    fi
     step 560 python3 benchmarks/pretrained_long_context.py --device cuda --dtype bfloat16 --source "$gguf" \
-        --models_dir /tmp/plc_models --designs source block_fixed block_wide_quantised --lengths 32768 131072 \
+        --models_dir /tmp/plc_models --designs source block_fixed block_fixed_wide block_wide_quantised \
+        --lengths 32768 131072 \
         --fillers repeat --depths 0.25 0.5 0.75 --trials 1 --long_length 131072 --long_trials 1 --no_loss \
         --no_ruler --threads 16 --results benchmarks/results/pretrained_long_context_cuda.json
     ;;

@@ -304,8 +304,8 @@ def check_device(device: str) -> None:
     """BadArgument unless `device` is cpu, or a CUDA device this machine has (cuda, cuda:N)."""
     if device == "cpu":
         return
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
+    kind, colon, index = device.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
         raise BadArgument(f"--device {device!r}: use cpu, cuda or cuda:N.")
     import torch
 
@@ -592,6 +592,10 @@ def load_design(folder: str, rope: dict | None, dtype: str, device: str = "cpu")
             config.rope_parameters = {**config.rope_parameters, **rope}
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=getattr(torch, dtype))
         model = model.to(device).eval()
+        if device != "cpu":  # the device's one-off set-up (context, kernels) kept out of the first cell's prefill
+            with torch.inference_mode():
+                model(torch.ones(1, 64, dtype=torch.long, device=device), use_cache=True, logits_to_keep=1)
+            sync(device)
         _LOADED.update(key=key, model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
     return _LOADED["model"], _LOADED["tokenizer"]
 

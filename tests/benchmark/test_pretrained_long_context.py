@@ -203,7 +203,7 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
                                          ("--centred_buckets", "5"), ("--centred_hashes", "0"),
                                          ("--wide_block_topk", "0"), ("--quantised_key_bits", "2"),
                                          ("--quantised_value_bits", "16"), ("--device", "tpu"),
-                                         ("--device", "cuda:x")])
+                                         ("--device", "cuda:x"), ("--device", "cuda:")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
         bench.main(["--source", str(source), "--models_dir", str(tmp_path / "models"),

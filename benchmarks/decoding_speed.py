@@ -89,6 +89,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
     cache_state_bytes,
     cuda_device_name,
+    device_problem,
     rss_peak_mib,
     run_worker,
     setup_or_legacy,
@@ -457,10 +458,9 @@ def parse_args(argv):
 
 def validate(args) -> None:
     """ValueError naming the flag and the fix."""
-    if args.device != "cpu" and not args.device.startswith("cuda"):
-        raise ValueError(f"--device {args.device}: use cpu, cuda or cuda:N.")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is visible here; use --device cpu.")
+    problem = device_problem(args.device)
+    if problem:
+        raise ValueError(f"--device {args.device}: {problem}.")
     unknown = [f for f in args.families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"--families {' '.join(unknown)}: not a decoder family here; choose from "

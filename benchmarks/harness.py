@@ -69,6 +69,22 @@ def run_worker(script: str, args: list[str]) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def device_problem(device: str) -> str | None:
+    """None when `device` is "cpu" or a CUDA device this machine has ("cuda", "cuda:N"), else what is wrong with it
+    and the fix, for the benchmark's own refusal. Asks the driver for the count only: no CUDA context is made here,
+    whose GPU memory a benchmark's workers could not use."""
+    if device == "cpu":
+        return None
+    kind, colon, index = device.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        return "use cpu, cuda or cuda:N"
+    import torch
+
+    if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
+        return "no such CUDA device is visible here; use --device cpu"
+    return None
+
+
 def cuda_device_name(device: str = "cuda") -> str:
     """The name of a CUDA device, read in a child process: a benchmark that measures in worker processes needs it
     before they start (its report's setup), and reading it here would give this process a CUDA context, GPU memory

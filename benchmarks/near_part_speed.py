@@ -51,6 +51,7 @@ from harness import (  # noqa: E402
     cache_state_bytes,
     cpu_environment,
     cuda_device_name,
+    device_problem,
     measure_missing_rows,
     rows_report_check,
     rss_peak_mib,
@@ -281,13 +282,9 @@ def main(argv=None) -> None:
             parser.error(f"--{name}={getattr(args, name)} is invalid: set a positive number.")
     if any(length < 128 for length in args.lengths):
         parser.error(f"--lengths {args.lengths} is invalid: give prompt lengths of at least 128 tokens.")
-    if args.device != "cpu":
-        import torch
-
-        if args.device.split(":")[0] != "cuda":
-            parser.error(f"--device {args.device} is invalid: use cpu, cuda or cuda:N.")
-        if not torch.cuda.is_available():  # asks the driver; makes no CUDA context the workers would have to share
-            parser.error(f"--device {args.device} is invalid here: no CUDA device is visible; use --device cpu.")
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f"--device {args.device} is invalid: {problem}.")
     if args.readme_only:
         report = read_report(args.results, validate, LABEL)
         write_between_markers(README, *MARKERS, table(report))

@@ -116,6 +116,7 @@ from harness import (  # noqa: E402
     cache_state_bytes,
     cpu_environment,
     cuda_device_name,
+    device_problem,
     measure_missing_rows,
     rows_report_check,
     save_figure,
@@ -287,7 +288,9 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--sink_positions {args.sink_positions!r}: pick 'adjacent' or 'absolute'.")
     if args.dtype not in DTYPES:
         raise BadArgument(f"--dtype {args.dtype!r}: pick one of {list(DTYPES)}.")
-    check_device(args.device)
+    problem = device_problem(args.device)
+    if problem:
+        raise BadArgument(f"--device {args.device!r}: {problem}.")
     if args.ruler and ruler_lengths(args.lengths):
         from attnzoo.evaluation.harness import prepare_ruler_offline, task_manager
 
@@ -298,19 +301,6 @@ def check_arguments(args) -> None:
             raise BadArgument(f"--ruler_tasks: {error}; or pass --no_ruler.") from None
         except ValueError as error:
             raise BadArgument(f"--ruler_tasks: {error}") from None
-
-
-def check_device(device: str) -> None:
-    """BadArgument unless `device` is cpu, or a CUDA device this machine has (cuda, cuda:N)."""
-    if device == "cpu":
-        return
-    kind, colon, index = device.partition(":")
-    if kind != "cuda" or (colon and not index.isdigit()):
-        raise BadArgument(f"--device {device!r}: use cpu, cuda or cuda:N.")
-    import torch
-
-    if not torch.cuda.is_available() or int(index or 0) >= torch.cuda.device_count():
-        raise BadArgument(f"--device {device!r}: no such CUDA device is visible here; use --device cpu.")
 
 
 def ruler_lengths(lengths: list[int]) -> list[int]:

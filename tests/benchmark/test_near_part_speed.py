@@ -74,7 +74,8 @@ def test_readme_only_names_a_bad_results_file(tmp_path):
 
 
 @pytest.mark.parametrize("device, message", [("tpu", "use cpu, cuda or cuda:N"),
-                                             ("cuda", "no CUDA device is visible; use --device cpu")])
+                                             ("cuda", "no such CUDA device is visible here; use --device cpu"),
+                                             ("cuda:", "use cpu, cuda or cuda:N")])
 def test_a_bad_device_names_the_flag(device, message, capsys, monkeypatch):
     import torch
 
@@ -92,6 +93,7 @@ def test_a_gpu_run_is_its_own_report_with_the_device_in_every_job_and_no_cpu_goa
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(bench, "cuda_device_name", lambda device: "NVIDIA H200")
     readme = tmp_path / "README.md"
     readme.write_text(f"{bench.MARKERS[0]}\nold\n{bench.MARKERS[1]}\n")

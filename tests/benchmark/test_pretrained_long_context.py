@@ -235,7 +235,7 @@ def test_a_gpu_run_is_its_own_report_beside_the_cpu_one(tmp_path, source, monkey
                 "rope": None, "prefill_s": 0.5, "decode_steps": 1, "decode_tokens_per_s": 2.0, "state_bytes": 8,
                 "load_s": 0.0, "cell_s": 1.0}
 
-    monkeypatch.setattr(bench, "check_device", lambda device: None)
+    monkeypatch.setattr(bench, "device_problem", lambda device: None)
     monkeypatch.setattr(bench, "cuda_device_name", lambda device: "NVIDIA Stand-in")
     monkeypatch.setattr(bench, "measure", on_device)
     run(tmp_path, source, *cells, "--device", "cuda")

@@ -76,7 +76,7 @@ def device_problem(device: str) -> str | None:
     if device == "cpu":
         return None
     kind, colon, index = device.partition(":")
-    if kind != "cuda" or (colon and not index.isdigit()):
+    if kind != "cuda" or (colon and not (index.isascii() and index.isdigit())):  # int() refuses "²", isdigit not
         return "use cpu, cuda or cuda:N"
     import torch
 

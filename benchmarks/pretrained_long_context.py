@@ -582,9 +582,13 @@ def load_design(folder: str, rope: dict | None, dtype: str, device: str = "cpu")
             config.rope_parameters = {**config.rope_parameters, **rope}
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=getattr(torch, dtype))
         model = model.to(device).eval()
-        if device != "cpu":  # the device's one-off set-up (context, kernels) kept out of the first cell's prefill
-            with torch.inference_mode():
-                model(torch.ones(1, 64, dtype=torch.long, device=device), use_cache=True, logits_to_keep=1)
+        if device != "cpu":  # the device's one-off set-up (context, kernels) kept out of the first cell's timings
+            from attnzoo.transformers_compat import CACHE_KW, output_cache
+
+            with torch.inference_mode():  # a prefill and a decoding step: each has kernels of its own
+                out = model(torch.ones(1, 64, dtype=torch.long, device=device), use_cache=True, logits_to_keep=1)
+                model(torch.ones(1, 1, dtype=torch.long, device=device), **{CACHE_KW: output_cache(out)},
+                      use_cache=True)
             sync(device)
         _LOADED.update(key=key, model=model, tokenizer=AutoTokenizer.from_pretrained(folder))
     return _LOADED["model"], _LOADED["tokenizer"]

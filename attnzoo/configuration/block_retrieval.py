@@ -42,9 +42,14 @@ class ZooBlockRetrievalSettings(ZooConfig):
         check_int(self, "block_query_size", 1, fix, optional=True)
         if self.block_query_size is not None and self.block_size % self.block_query_size:
             fail("block_query_size", self.block_query_size, fix)
+        layers = {*self.attn_layers, *(self.decoder_attn_layers if self.is_encoder_decoder else ())}
         for field in ("block_key_bits", "block_value_bits"):
             bits = getattr(self, field)
             if bits is not None and (type(bits) is not int or bits not in STORED_BITS):
-                fail(field, bits, f"use one of {STORED_BITS} bits an entry, or None to keep them as computed.")
+                fail(field, bits, f"use one of {STORED_BITS} bits an entry, as an int, or None to keep them as "
+                                  "computed.")
+            if bits is not None and "block_window" not in layers:  # else a store the user set would be ignored
+                fail(field, bits, "it stores block retrieval's far keys and values, and no layer has block retrieval; "
+                                  "list 'block_window' in attn_layers or set it to None.")
             if bits == 4 and self.head_dim % 2:
                 fail(field, bits, f"4-bit entries pack two a byte and head_dim={self.head_dim} is odd: use 8 bits.")

@@ -5,7 +5,9 @@ few at a time, they can be held in 8 or 4 bits each, as KV-cache quantisation do
 2402.02750; KVQuant, arXiv 2401.18079). Here each head's key or value vector x of one token (its e entries) is
 stored asymmetrically: low = min x, scale = (max x - low) / (2^bits - 1), codes round((x - low) / scale) in
 0 .. 2^bits - 1 (two 4-bit codes a byte, the even entry in the low half), read back as codes * scale + low; the
-error is at most scale / 2 per entry (computed in float32 at least, so for half-precision inputs too). One pair per
+error is at most scale / 2 per entry, up to the float rounding of codes * scale + low (computed in float32 at least,
+so for half-precision inputs too; a vector whose range max - min overflows its dtype, past 3.4e38 in float32, reads
+back as NaN, as no key or value of a working model does). One pair per
 vector keeps what a token stores independent of every other token, so a decoding step stores what the full forward
 reads: the full forward reads `round_trip(x)`, which is `dequantise(*quantise(x))` computed in the same operations.
 (The same operations on the same vector: a key that a one-token step computes a rounding error away from the full
@@ -22,11 +24,16 @@ import torch
 STORE_BITS = (8, 4)
 
 
+def check_bits(bits: int) -> None:
+    """Refuse a width other than `STORE_BITS`'."""
+    if bits not in STORE_BITS:
+        raise ValueError(f"bits={bits!r} is not a stored width: use one of {STORE_BITS}.")
+
+
 def quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [..., e * bits / 8], ranges [..., 2] = (scale, low) in x's dtype, or float32 for a narrower one)
     of vectors x [..., e]; bits is 8, or 4 for an even e."""
-    if bits not in STORE_BITS:
-        raise ValueError(f"bits={bits!r} is not a stored width: use one of {STORE_BITS}.")
+    check_bits(bits)
     if bits == 4 and x.shape[-1] % 2:
         raise ValueError(f"4-bit entries pack two a byte and the vectors have {x.shape[-1]} entries: use 8 bits.")
     levels = (1 << bits) - 1
@@ -42,6 +49,7 @@ def quantise(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantise(codes: torch.Tensor, ranges: torch.Tensor, bits: int) -> torch.Tensor:
     """The vectors [..., e] that codes [..., e * bits / 8] and ranges [..., 2] hold, in the ranges' dtype."""
+    check_bits(bits)
     if bits == 4:
         codes = torch.stack([codes & 15, codes >> 4], -1).flatten(-2)
     return codes.to(ranges.dtype) * ranges[..., :1] + ranges[..., 1:]

@@ -116,3 +116,31 @@ def test_groups_of_query_blocks_equal_the_reference(gathered, query_size, monkey
 
     monkeypatch.setattr(block_window, "GATHERED_KEYS", gathered)
     fast_equals_reference("block_window", block_size=3, block_topk=2, block_query_size=query_size)
+
+
+def test_with_gradients_the_gathered_keys_are_gathered_again_not_kept(monkeypatch):
+    """A backward pass keeps no group's gathered keys, values or scores (each group is recomputed): what autograd
+    saves is far less than the gathered keys of all groups, which it kept before; the gradients still equal the
+    reference's (above)."""
+    import attnzoo.modeling.attention.block_window as block_window
+
+    monkeypatch.setattr(block_window, "GATHERED_KEYS", 1)  # one query block a group
+    torch.manual_seed(0)
+    layer = build_attention("block_window", config(), 0, True).double()
+    length, dim = 60, 8
+    q = torch.randn(1, 4, length, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, length, dim, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    position = torch.arange(length)[None]
+    saved = {}  # the bytes of each storage autograd keeps (a tensor saved by several operations counts once)
+
+    def pack(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer.far.parallel(FarInputs(q, k, v, position < length, position))
+    query_blocks, read = length // 3, 2 + 2  # query blocks of block_size 3; topk 2 blocks and the 2-block tail
+    gathered = 2 * 4 * query_blocks * read * 3 * dim * 8  # bytes of the keys and values all groups gather
+    assert sum(saved.values()) < gathered / 2  # kept, they were 1.7x it (every group's keys, values and scores)
+    (out.num.sum() + out.den.sum()).backward()
+    assert q.grad is not None and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0

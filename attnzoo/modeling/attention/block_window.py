@@ -34,6 +34,8 @@ The parallel form gathers each query block's selected blocks and its tail (block
 left-aligned keys as whole blocks and scores its queries against them, in groups of query blocks bounded by
 `GATHERED_KEYS` (the whole sequence at 32K tokens would need gigabytes of gathered keys and scores; a group that
 fits the CPU's caches runs several times faster than one that does not; off the CPU, `GATHERED_KEYS_OFF_CPU`).
+With gradients on, each group is gathered again in the backward pass rather than kept (activation checkpointing
+per group), so that a backward pass through the far part holds one group's gathered keys at a time.
 Decoding keeps, beside the window's ring, the keys and values that have left the window (as a KV cache does,
 once), one key sum per block, the running query sums and the current selection: a new token costs O(number of
 blocks · d + (k + 2) b · d).
@@ -49,9 +51,11 @@ quantisation step of the computed one, and the window and sinks stay exact.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.utils.checkpoint
 
 from attnzoo.modeling.attention.kv_quantisation import dequantise, quantise, round_trip
 from attnzoo.modeling.attention.lsh import gather_grouped
@@ -158,8 +162,13 @@ class BlockFarPart(FarPart):
         tail_ok = tail.unsqueeze(-2) <= (positions - window).unsqueeze(-1)  # [T, s, 2b]
         bound = GATHERED_KEYS if q.device.type == "cpu" else GATHERED_KEYS_OFF_CPU
         group = max(1, bound // (batch * heads * read.shape[-1] * size))
-        outputs = [self._attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
-                                chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
+        attend = self._attend
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # a backward pass would otherwise keep every group's gathered keys, values and scores: (k + 2) b keys
+            # for every s queries and head, gigabytes a layer at a few thousand tokens; each group is gathered again
+            attend = functools.partial(torch.utils.checkpoint.checkpoint, self._attend, use_reentrant=False)
+        outputs = [attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
+                          chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
         num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))
         state = self._start_state(q_blocks, x.k, x.v, k, x.n_real, chosen_blocks, chosen) if x.keep_state else None
         return FarOutput(num, den, lse, state)

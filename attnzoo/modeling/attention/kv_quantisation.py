@@ -25,7 +25,7 @@ STORE_BITS = (8, 4)
 
 
 def check_bits(bits: int) -> None:
-    """Refuse a width other than `STORE_BITS`'."""
+    """Refuse a width that is not one of `STORE_BITS`."""
     if bits not in STORE_BITS:
         raise ValueError(f"bits={bits!r} is not a stored width: use one of {STORE_BITS}.")
 

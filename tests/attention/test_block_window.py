@@ -144,3 +144,60 @@ def test_with_gradients_the_gathered_keys_are_gathered_again_not_kept(monkeypatc
     assert sum(saved.values()) < gathered / 2  # kept, they were 1.7x it (every group's keys, values and scores)
     (out.num.sum() + out.den.sum()).backward()
     assert q.grad is not None and k.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+
+
+def graph_nodes(tensor: torch.Tensor) -> int:
+    """The autograd nodes `tensor` was computed through."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+def test_the_graph_holds_one_node_for_all_groups_not_nodes_per_group(monkeypatch):
+    """The groups run outside autograd's graph: a forward pass with gradients leaves as many graph nodes with one
+    query block a group as with one group for the whole sequence (nodes kept per group, small allocations between
+    each group's gathered keys, kept glibc from reusing the freed keys: gigabytes at a few thousand tokens)."""
+    import attnzoo.modeling.attention.block_window as block_window
+
+    torch.manual_seed(0)
+    layer = build_attention("block_window", config(), 0, True).double()
+    length = 60
+    q = torch.randn(1, 4, length, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, length, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    position = torch.arange(length)[None]
+    nodes = {}
+    for gathered in (1, 1 << 20):
+        monkeypatch.setattr(block_window, "GATHERED_KEYS", gathered)
+        out = layer.far.parallel(FarInputs(q, k, v, position < length, position))
+        nodes[gathered] = graph_nodes(out.num) + graph_nodes(out.log_scale)
+    assert nodes[1] == nodes[1 << 20] < 40
+
+
+@pytest.mark.parametrize("needs_grad", ["q", "k", "v"])
+def test_a_backward_pass_gives_gradients_to_just_the_inputs_that_want_them(needs_grad, monkeypatch):
+    """One input wanting gradients (as LoRA on one projection) gets the gradient it gets when all three want them
+    (which equals the reference's: test_groups_of_query_blocks_equal_the_reference), and the others get none."""
+    import attnzoo.modeling.attention.block_window as block_window
+
+    monkeypatch.setattr(block_window, "GATHERED_KEYS", 1)
+    torch.manual_seed(0)
+    layer = build_attention("block_window", config(), 0, True).double()
+    length = 40
+    q = torch.randn(1, 4, length, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, length, 8, dtype=torch.float64), torch.randn(1, 2, length, 8, dtype=torch.float64)
+    position = torch.arange(length)[None]
+    weights = torch.randn(1, 4, length, 8, dtype=torch.float64), torch.randn(1, 4, length, dtype=torch.float64)
+    found = {}
+    for wanting in (needs_grad, "qkv"):
+        inputs = {name: x.clone().requires_grad_(name in wanting) for name, x in zip("qkv", (q, k, v), strict=True)}
+        out = layer.far.parallel(FarInputs(*inputs.values(), position < length, position))
+        lse = torch.where(torch.isfinite(out.log_scale), out.log_scale, 0.0)
+        ((out.num * weights[0]).sum() + (lse * weights[1]).sum()).backward()
+        found[wanting] = {name: x.grad for name, x in inputs.items()}
+    assert all(found[needs_grad][name] is None for name in "qkv" if name != needs_grad)
+    assert found[needs_grad][needs_grad].abs().sum() > 0
+    torch.testing.assert_close(found[needs_grad][needs_grad], found["qkv"][needs_grad], rtol=1e-12, atol=1e-14)

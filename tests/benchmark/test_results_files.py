@@ -73,6 +73,7 @@ CASES = {
     "reformer_vs_transformers": (["--lengths", "1024", "--output", "{out}"], "run_worker"),
     "reversible_memory": (["--output", "{out}"], "make_model"),
     "short_sequence_speed": (["--tiny", "--results", "{out}"], "step_time"),
+    "training_memory": (["--lengths", "128", "--results", "{out}"], "run_worker"),
 }
 #: the benchmarks measured with their default results file (benchmarks/gpu_session.sh runs them so)
 DEFAULT_PATHS = {"performer_speed": "performer_speed_cpu.json",
@@ -111,7 +112,7 @@ def test_a_users_own_json_and_picture_are_refused_and_left_as_they_are(name, tmp
         module.main(argv)
     message = str(refused.value)
     flag = "--results" if name in ("conversion_fidelity", "lsh_decoding_state", "near_part_speed",
-                                   "passkey_retrieval", "short_sequence_speed") else "--output"
+                                   "passkey_retrieval", "short_sequence_speed", "training_memory") else "--output"
     assert message.startswith(f"{flag} {out} is not a report of benchmarks/{name}.py: "), message
     assert message.endswith(f"nothing was written: name another {flag} (or move that file away).")
     assert "\n" not in message
@@ -325,6 +326,7 @@ COMMITTED = {
     "reformer_vs_transformers_cuda_partial.json": "reformer_vs_transformers",
     "reversible_memory.json": "reversible_memory",
     "short_sequence_speed_cpu.json": "short_sequence_speed",
+    "training_memory.json": "training_memory",
     **dict.fromkeys(["causal_lara_lm.json", "conversion_recovery.json", "llama_uptraining.json", "long_context.json",
                      "pretrained_long_context.json", "reformer_hash_rounds.json", "reformer_shared_qk_reversible.json",
                      "uptraining.json"]),
@@ -409,6 +411,7 @@ def test_the_committed_runs_would_replace_their_reports(monkeypatch):
         ("lsh_far_paths", [], RESULTS / "lsh_far_paths.json"),
         ("near_part_speed", [], RESULTS / "near_part_speed.json"),
         ("lsh_decoding_state", [], RESULTS / "lsh_decoding_state.json"),
+        ("training_memory", [], RESULTS / "training_memory.json"),
     ]
     for name, argv, committed in cases:
         if committed.is_file():

@@ -34,8 +34,9 @@ The parallel form gathers each query block's selected blocks and its tail (block
 left-aligned keys as whole blocks and scores its queries against them, in groups of query blocks bounded by
 `GATHERED_KEYS` (the whole sequence at 32K tokens would need gigabytes of gathered keys and scores; a group that
 fits the CPU's caches runs several times faster than one that does not; off the CPU, `GATHERED_KEYS_OFF_CPU`).
-With gradients on, each group is gathered again in the backward pass rather than kept (activation checkpointing
-per group), so that a backward pass through the far part holds one group's gathered keys at a time.
+With gradients on, the groups run outside autograd's graph and the backward pass gathers each group again and
+differentiates it alone (`_GroupedFarTriple`), so that it holds one group's gathered keys at a time and the graph
+holds one node for the far part, not one per operation and group.
 Decoding keeps, beside the window's ring, the keys and values that have left the window (as a KV cache does,
 once), one key sum per block, the running query sums and the current selection: a new token costs O(number of
 blocks · d + (k + 2) b · d).
@@ -51,14 +52,12 @@ quantisation step of the computed one, and the window and sinks stay exact.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-import torch.utils.checkpoint
 
 from attnzoo.modeling.attention.kv_quantisation import dequantise, quantise, round_trip
-from attnzoo.modeling.attention.lsh import gather_grouped
+from attnzoo.modeling.attention.lsh import gather_grouped, grouped_rows
 from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import with_room, with_spare_tokens, write_at_rows
 
@@ -89,6 +88,53 @@ def top_blocks(scores: torch.Tensor, selectable: torch.Tensor, topk: int) -> tup
         scores = torch.nn.functional.pad(scores, (0, topk - scores.shape[-1]), value=float("-inf"))
     best = scores.topk(topk, dim=-1)
     return best.indices, torch.isfinite(best.values)
+
+
+class _GroupedFarTriple(torch.autograd.Function):
+    """`BlockFarPart._groups` with gradients: the forward pass runs outside autograd's graph and keeps only its
+    inputs; the backward pass gathers each group's blocks again, differentiates that group alone and adds its key and
+    value gradients into the blocks' rows.
+
+    Activation checkpointing per group (`torch.utils.checkpoint`) kept no gathered keys either, but left the graph
+    nodes of each group's operations alive until the backward pass: small allocations made between each group's
+    megabytes of gathered keys, which on glibc's allocator kept the freed megabytes from being reused (gigabytes a
+    layer at a few thousand tokens on converted SmolLM2, where each group gathers some 5 MB)."""
+
+    @staticmethod
+    def forward(ctx, part, group, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok):
+        ctx.part, ctx.group = part, group
+        ctx.save_for_backward(q_blocks, key_blocks, value_blocks, read, chosen, tail_ok)
+        num, den, lse = part._groups(group, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok)
+        ctx.mark_non_differentiable(den)
+        return num, den, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_num, _grad_den, grad_lse):
+        q_blocks, key_blocks, value_blocks, read, chosen, tail_ok = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[2:5]  # q_blocks, key_blocks, value_blocks
+        grads = [torch.zeros_like(x) if want else None
+                 for x, want in zip((q_blocks, key_blocks, value_blocks), wanted, strict=True)]
+        blocks = key_blocks.detach(), value_blocks.detach()
+        for t in range(0, q_blocks.shape[2], ctx.group):
+            span = slice(t, t + ctx.group)
+            index = read[:, :, span].flatten(2)
+            rows = grouped_rows(key_blocks, index)  # the rows of the blocks its key and value gradients go to
+            with torch.enable_grad():
+                q = q_blocks[:, :, span].detach().requires_grad_(wanted[0])
+                keys, values = (gather_grouped(x, index).requires_grad_(want)
+                                for x, want in zip(blocks, wanted[1:], strict=True))
+                num, _, lse = ctx.part._attend_gathered(q, keys, values, chosen[:, :, span], tail_ok[span])
+                inputs = [x for x, want in zip((q, keys, values), wanted, strict=True) if want]
+                outputs = [(x, grad[:, :, span]) for x, grad in ((num, grad_num), (lse, grad_lse))
+                           if x.requires_grad]  # lse does not depend on the values
+                found = iter(torch.autograd.grad([x for x, _ in outputs], inputs, [grad for _, grad in outputs]))
+            if wanted[0]:
+                grads[0][:, :, span] = next(found)
+            for i in (1, 2):
+                if wanted[i]:
+                    grads[i].view(-1, grads[i].shape[-1]).index_add_(0, rows, next(found).flatten(0, 2))
+        return None, None, *grads, None, None, None
 
 
 @register_far_part("block")
@@ -162,14 +208,12 @@ class BlockFarPart(FarPart):
         tail_ok = tail.unsqueeze(-2) <= (positions - window).unsqueeze(-1)  # [T, s, 2b]
         bound = GATHERED_KEYS if q.device.type == "cpu" else GATHERED_KEYS_OFF_CPU
         group = max(1, bound // (batch * heads * read.shape[-1] * size))
-        attend = self._attend
+        inputs = (q_blocks, key_blocks, value_blocks, read, chosen, tail_ok)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # a backward pass would otherwise keep every group's gathered keys, values and scores: (k + 2) b keys
-            # for every s queries and head, gigabytes a layer at a few thousand tokens; each group is gathered again
-            attend = functools.partial(torch.utils.checkpoint.checkpoint, self._attend, use_reentrant=False)
-        outputs = [attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
-                          chosen[:, :, t:t + group], tail_ok[t:t + group]) for t in range(0, query_blocks, group)]
-        num, den, lse = (torch.cat(parts, 2).flatten(2, 3)[:, :, :length] for parts in zip(*outputs, strict=True))
+            num, den, lse = _GroupedFarTriple.apply(self, group, *inputs)
+        else:
+            num, den, lse = self._groups(group, *inputs)
+        num, den, lse = (x.flatten(2, 3)[:, :, :length] for x in (num, den, lse))
         state = self._start_state(q_blocks, x.k, x.v, k, x.n_real, chosen_blocks, chosen) if x.keep_state else None
         return FarOutput(num, den, lse, state)
 
@@ -199,13 +243,26 @@ class BlockFarPart(FarPart):
         far = torch.nn.functional.pad(far, (0, 0, 0, blocks * self.size - far.shape[2]))
         return far.reshape(batch, kv_heads, blocks, self.size * width)
 
+    def _groups(self, group, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok):
+        """The far triple of every query block, `group` query blocks at a time (`_attend`): [B, H, T, s, e], [B, H,
+        T, s] twice."""
+        outputs = [self._attend(q_blocks[:, :, t:t + group], key_blocks, value_blocks, read[:, :, t:t + group],
+                                chosen[:, :, t:t + group], tail_ok[t:t + group])
+                   for t in range(0, q_blocks.shape[2], group)]
+        return tuple(torch.cat(parts, 2) for parts in zip(*outputs, strict=True))
+
     def _attend(self, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok):
         """The far triple of query blocks q_blocks [B, H, G, s, d] over the far-key blocks `read` [B, H, G, k + 2]
         (rows of key_blocks, value_blocks [B, kv, n, b * ·]; the last two: the tail), the first k where `chosen`
         [B, H, G, k], the tail's keys where `tail_ok` [G, s, 2b]."""
+        keys, values = (gather_grouped(blocks, read.flatten(2)) for blocks in (key_blocks, value_blocks))
+        return self._attend_gathered(q_blocks, keys, values, chosen, tail_ok)
+
+    def _attend_gathered(self, q_blocks, keys, values, chosen, tail_ok):
+        """`_attend` from the gathered blocks keys, values [B, H, G (k + 2), b * ·]."""
         batch, heads, group, qsize, dim = q_blocks.shape
-        keys = gather_grouped(key_blocks, read.flatten(2)).view(batch, heads, group, -1, dim)
-        values = gather_grouped(value_blocks, read.flatten(2)).view(batch, heads, group, keys.shape[3], -1)
+        keys = keys.view(batch, heads, group, -1, dim)
+        values = values.view(batch, heads, group, keys.shape[3], -1)
         logits = (q_blocks @ keys.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, H, G, s, (k + 2) b]
         block_ok = chosen.repeat_interleave(self.size, -1)[:, :, :, None]  # [B, H, G, 1, k b]
         allowed = torch.cat([block_ok.expand(-1, -1, -1, qsize, -1),

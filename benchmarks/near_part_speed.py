@@ -86,8 +86,9 @@ GOALS = {("window", 2048): 1.05, ("window", 8192): 0.8, ("window", 32768): 0.35,
          ("lsh_window", 8192): 1.5, ("lsh_window", 32768): 0.6}
 
 
-def build(model: str, dtype: str, layers: int | None = None):
-    """The model `model` in `dtype`, from seeded random weights (`layers`: fewer layers, for the tests)."""
+def build(model: str, dtype: str, layers: int | None = None, designs: dict | None = None):
+    """The model `model` ("source" or one of `designs`, default DESIGNS: family and attention settings) in `dtype`,
+    from seeded random weights (`layers`: fewer layers, for the tests)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +98,7 @@ def build(model: str, dtype: str, layers: int | None = None):
     torch.manual_seed(0)
     source = LlamaForCausalLM(LlamaConfig(**settings, attn_implementation="sdpa")).eval()
     if model != "source":
-        family, overrides = DESIGNS[model]
+        family, overrides = (DESIGNS if designs is None else designs)[model]
         source = convert(source, family, overrides).eval()
     return source.to(getattr(torch, dtype))
 

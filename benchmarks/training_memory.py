@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import near_part_speed  # noqa: E402
 from harness import (  # noqa: E402
     add_report_arguments,
     cpu_environment,
@@ -65,19 +66,8 @@ MODELS = ("source", *DESIGNS)
 
 
 def build(model: str, layers: int | None = None):
-    """The model `model` in float32 from seeded random weights (`layers`: fewer layers, for the tests)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from attnzoo.convert.llama import convert
-
-    settings = dict(SMOLLM2, **({"num_hidden_layers": layers} if layers else {}))
-    torch.manual_seed(0)
-    source = LlamaForCausalLM(LlamaConfig(**settings, attn_implementation="sdpa"))
-    if model != "source":
-        family, overrides = DESIGNS[model]
-        source = convert(source, family, overrides)
-    return source.train()
+    """The model `model` in float32 from seeded random weights, in training mode (`layers`: fewer, for the tests)."""
+    return near_part_speed.build(model, "float32", layers, designs=DESIGNS).train()
 
 
 def measure(job: dict) -> dict:

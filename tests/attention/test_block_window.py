@@ -201,3 +201,31 @@ def test_a_backward_pass_gives_gradients_to_just_the_inputs_that_want_them(needs
     assert all(found[needs_grad][name] is None for name in "qkv" if name != needs_grad)
     assert found[needs_grad][needs_grad].abs().sum() > 0
     torch.testing.assert_close(found[needs_grad][needs_grad], found["qkv"][needs_grad], rtol=1e-12, atol=1e-14)
+
+
+def test_under_autocast_the_backward_pass_recomputes_as_the_forward_computed(monkeypatch):
+    """bfloat16 autocast (as Trainer's bf16 runs): the gradients equal those of the groups differentiated by autograd
+    directly, which keeps what the forward pass computed; a recomputation outside autocast would differ by bfloat16's
+    rounding."""
+    import attnzoo.modeling.attention.block_window as block_window
+
+    monkeypatch.setattr(block_window, "GATHERED_KEYS", 1)
+    torch.manual_seed(0)
+    layer = build_attention("block_window", config(), 0, True)
+    length = 40
+    tensors = [torch.randn(1, heads, length, 8) for heads in (4, 2, 2)]
+    position = torch.arange(length)[None]
+    weights = torch.randn(1, 4, length, 8)
+    found = {}
+    for path in ("function", "autograd"):
+        if path == "autograd":
+            monkeypatch.setattr(block_window._GroupedFarTriple, "apply",
+                                lambda part, group, *inputs: part._groups(group, *inputs))
+        inputs = [x.clone().requires_grad_(True) for x in tensors]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer.far.parallel(FarInputs(*inputs, position < length, position))
+        (out.num.float() * weights).sum().backward()
+        found[path] = [x.grad for x in inputs]
+    for a, b in zip(*found.values(), strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -103,6 +103,9 @@ class _GroupedFarTriple(torch.autograd.Function):
     @staticmethod
     def forward(ctx, part, group, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok):
         ctx.part, ctx.group = part, group
+        device = q_blocks.device.type  # the backward pass recomputes under the forward's autocast, as it computed
+        ctx.autocast = dict(device_type=device, enabled=torch.is_autocast_enabled(device),
+                            dtype=torch.get_autocast_dtype(device))
         ctx.save_for_backward(q_blocks, key_blocks, value_blocks, read, chosen, tail_ok)
         num, den, lse = part._groups(group, q_blocks, key_blocks, value_blocks, read, chosen, tail_ok)
         ctx.mark_non_differentiable(den)
@@ -120,7 +123,7 @@ class _GroupedFarTriple(torch.autograd.Function):
             span = slice(t, t + ctx.group)
             index = read[:, :, span].flatten(2)
             rows = grouped_rows(key_blocks, index)  # the rows of the blocks its key and value gradients go to
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 q = q_blocks[:, :, span].detach().requires_grad_(wanted[0])
                 keys, values = (gather_grouped(x, index).requires_grad_(want)
                                 for x, want in zip(blocks, wanted[1:], strict=True))

@@ -116,8 +116,10 @@ class _GroupedFarTriple(torch.autograd.Function):
     def backward(ctx, grad_num, _grad_den, grad_lse):
         q_blocks, key_blocks, value_blocks, read, chosen, tail_ok = ctx.saved_tensors
         wanted = ctx.needs_input_grad[2:5]  # q_blocks, key_blocks, value_blocks
-        grads = [torch.zeros_like(x) if want else None
-                 for x, want in zip((q_blocks, key_blocks, value_blocks), wanted, strict=True)]
+        # every query block's gradient is written once; the blocks' rows accumulate over the groups that read them
+        grads = [make(x) if want else None for x, want, make in zip(
+            (q_blocks, key_blocks, value_blocks), wanted, (torch.empty_like, torch.zeros_like, torch.zeros_like),
+            strict=True)]
         blocks = key_blocks.detach(), value_blocks.detach()
         for t in range(0, q_blocks.shape[2], ctx.group):
             span = slice(t, t + ctx.group)
@@ -125,7 +127,7 @@ class _GroupedFarTriple(torch.autograd.Function):
             rows = grouped_rows(key_blocks, index)  # the rows of the blocks its key and value gradients go to
             with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 q = q_blocks[:, :, span].detach().requires_grad_(wanted[0])
-                keys, values = (gather_grouped(x, index).requires_grad_(want)
+                keys, values = (gather_grouped(x, index, rows).requires_grad_(want)
                                 for x, want in zip(blocks, wanted[1:], strict=True))
                 num, _, lse = ctx.part._attend_gathered(q, keys, values, chosen[:, :, span], tail_ok[span])
                 inputs = [x for x, want in zip((q, keys, values), wanted, strict=True) if want]

@@ -71,11 +71,11 @@ def grouped_rows(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (row * length + index.flatten(2)).reshape(-1)
 
 
-def gather_grouped(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_grouped(store: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """store [B, kv_heads, N, d] read at index [B, H, n] for each query head -> [B, H, n, d], without repeating the
-    store. Whole rows are copied (`index_select` over the flattened store): an element-wise `gather` with the index
-    expanded over d was several times slower."""
-    rows = grouped_rows(store, index)
+    store (`rows`: `grouped_rows(store, index)`, when the caller has it). Whole rows are copied (`index_select` over
+    the flattened store): an element-wise `gather` with the index expanded over d was several times slower."""
+    rows = grouped_rows(store, index) if rows is None else rows
     return store.reshape(-1, store.shape[-1]).index_select(0, rows).view(*index.shape[:2], -1, store.shape[-1])
 
 

@@ -198,6 +198,11 @@ def main(argv=None) -> dict | None:
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1].")
     if any(n < 64 for n in args.lengths):
         raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
+    config = json.loads((Path(model) / "config.json").read_text())
+    reach = config.get("window_size", 0) + config.get("num_sink_tokens", 0)
+    if any(n <= reach for n in args.lengths):
+        raise BadArgument(f"--lengths {args.lengths}: the model's window and sinks span {reach} tokens, so a prompt "
+                          f"of that length or less has no far key; give lengths above {reach}.")
     setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits}
     target = report_target(args.results, setup, validate, LABEL)
     report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,

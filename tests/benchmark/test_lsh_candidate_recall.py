@@ -98,6 +98,13 @@ def test_bad_arguments_name_the_argument(tmp_path, model_dir, flag, value):
     assert not (tmp_path / "lcr.json").exists()
 
 
+def test_prompts_with_no_far_key_are_refused(tmp_path):
+    folder = converted(tmp_path, window_size=96)  # with 4 sinks: a query's far keys begin 100 tokens back
+    with pytest.raises(ValueError, match=r"--lengths \[300, 100\]: .* span 100 tokens.*no far key"):
+        bench.main(["--model", str(folder), "--results", str(tmp_path / "lcr.json"), "--lengths", "300", "100"])
+    assert not (tmp_path / "lcr.json").exists()
+
+
 def test_a_model_without_lsh_is_refused(tmp_path):
     source = save_tiny_llama(tmp_path / "llama", layers=1)
     with pytest.raises(ValueError, match="--model: it has no LSH far part"):

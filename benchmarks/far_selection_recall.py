@@ -27,21 +27,19 @@ report lacks (`--remeasure`: all). On 2 cores a prompt costs the design's prefil
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import cpu_environment, measure_missing_rows, rows_report_check, save_figure  # noqa: E402
-from owned_outputs import BadArgument, exit_on_refusal, read_report, report_target, write_report  # noqa: E402
+from harness import rows_report_check, save_figure  # noqa: E402
+from owned_outputs import BadArgument, exit_on_refusal  # noqa: E402
+from passkey_probe import KEY, add_probe_arguments, checked_model, probed_prompt, run_probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_selection_recall.json"
 LABEL = "benchmarks/far_selection_recall.py"
-KEY = ("length", "depth", "trial")
 #: (buckets, rounds) of the LSH rules
 HASHINGS = ["8x8", "16x16", "8x32", "16x32", "64x32"]
 VARIANTS = ("raw", "centred", "mips")
@@ -138,19 +136,9 @@ def top_by_rule(sigma, keys, topk: int, rule: str, generator):
 def measure(job: dict) -> dict:
     """One prompt's row: per rule, the query heads (of all far parts) whose top-k holds a block of the key line."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnzoo.evaluation.passkey import passkey_prompt
-
-    torch.set_num_threads(job["threads"])
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    prompt = passkey_prompt(tokenizer, job["length"], job["depth"], random.Random(f"{job['seed']}:{job['trial']}"),
-                            digits=job["digits"], filler="repeat")
     record = []
-    with torch.inference_mode(), recorded_selections(model, record):
-        logits = model(torch.tensor([prompt.input_ids]), logits_to_keep=1).logits
-    first = tokenizer.decode(logits[0, -1].argmax())
+    model, prompt, first = probed_prompt(job, lambda model, prompt: recorded_selections(model, record))
     topk = model.config.block_topk
     size, sinks = model.config.block_size, model.config.num_sink_tokens
     key_blocks = set(range((prompt.key_position - sinks) // size, (prompt.key_end - 1 - sinks) // size + 1))
@@ -203,50 +191,18 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a converted design with block_window far parts (default: "
-                                                      "pretrained_long_context's block_heads model)")
-    parser.add_argument("--results", type=Path, default=COMMITTED)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--trials", type=int, default=1, help="prompts per length and depth")
+    add_probe_arguments(parser, COMMITTED, "a converted design with block_window far parts (default: "
+                                           "pretrained_long_context's block_heads model)", [8192, 32768])
     parser.add_argument("--hashings", nargs="+", default=HASHINGS, help="LSH settings as BUCKETSxROUNDS")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--digits", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--remeasure", action="store_true", help="measure every prompt, not only missing ones")
     args = parser.parse_args(argv)
-    model = args.model or default_model()
-    if model is None or not (Path(model) / "config.json").is_file():
-        raise BadArgument(f"--model {model}: give a saved converted design with block_window far parts (run "
-                         "benchmarks/pretrained_long_context.py --designs block_heads first for the default).")
+    model = checked_model(args, default_model(), "a saved converted design with block_window far parts (run "
+                                                 "benchmarks/pretrained_long_context.py --designs block_heads first "
+                                                 "for the default)")
     for hashing in args.hashings:
         parse_hashing(hashing)
-    for name in ("trials", "threads", "digits"):
-        if getattr(args, name) < 1:
-            raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
-    if any(not 0 <= d <= 1 for d in args.depths):
-        raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1].")
-    if any(n < 64 for n in args.lengths):
-        raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
     rules = rule_names(args.hashings)
-    setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits, "rules": rules}
-    target = report_target(args.results, setup, validate, LABEL)
-    report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,
-                                                                             "rows": []}
-    report["environment"] = cpu_environment()
-    jobs = [{"length": n, "depth": d, "trial": t, "model": model, "seed": args.seed, "digits": args.digits,
-             "threads": args.threads, "hashings": args.hashings}
-            for n in sorted(args.lengths) for d in args.depths for t in range(args.trials)]
-
-    def keep(report):
-        report["summary"] = summary(report["rows"], rules)
-        write_report(target, report)
-
-    measure_missing_rows(report, jobs, KEY, measure, keep, args.remeasure)
-    keep(report)
-    plot(report, target.with_suffix(".png"))
-    print(json.dumps(report["summary"], indent=1))
-    return report
+    return run_probe(args, model, {"rules": rules}, validate, LABEL, measure, lambda rows: summary(rows, rules), plot,
+                     hashings=args.hashings)
 
 
 if __name__ == "__main__":

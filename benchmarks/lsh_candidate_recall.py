@@ -33,20 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import cpu_environment, measure_missing_rows, rows_report_check, save_figure  # noqa: E402
-from owned_outputs import BadArgument, exit_on_refusal, read_report, report_target, write_report  # noqa: E402
+from harness import rows_report_check, save_figure  # noqa: E402
+from owned_outputs import BadArgument, exit_on_refusal  # noqa: E402
+from passkey_probe import KEY, add_probe_arguments, checked_model, probed_prompt, run_probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "lsh_candidate_recall.json"
 LABEL = "benchmarks/lsh_candidate_recall.py"
-KEY = ("length", "depth", "trial")
 #: a head reads the key line when the line carries at least half of its far mass
 READING = math.log(0.5)
 #: candidates below the key line's log mass by more than this have certainly lost some of it (float32 sums)
@@ -106,22 +105,13 @@ def recorded_heads(model, key_line, record: list):
 def measure(job: dict) -> dict:
     """One prompt's row: each far query head's log masses (see the module docstring) and the first answer token."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnzoo.evaluation.passkey import passkey_prompt
-
-    torch.set_num_threads(job["threads"])
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(job["model"])
-    prompt = passkey_prompt(tokenizer, job["length"], job["depth"], random.Random(f"{job['seed']}:{job['trial']}"),
-                            digits=job["digits"], filler="repeat")
     record = []
-    key_line = torch.arange(prompt.key_position, prompt.key_end)
-    with torch.inference_mode(), recorded_heads(model, key_line, record):
-        logits = model(torch.tensor([prompt.input_ids]), logits_to_keep=1).logits
+    _, prompt, first = probed_prompt(job, lambda model, prompt: recorded_heads(
+        model, torch.arange(prompt.key_position, prompt.key_end), record))
     return {"heads": [{"layer": layer, "head": head, "candidates": cand, "all_far": every, "key_line": line,
                        "key_rank": rank} for layer, head, cand, every, line, rank in record],
-            "first_answer_token": tokenizer.decode(logits[0, -1].argmax()), "passkey": prompt.passkey}
+            "first_answer_token": first, "passkey": prompt.passkey}
 
 
 def head_summary(heads: list[dict]) -> dict:
@@ -176,51 +166,18 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a converted design with lsh_window far parts (default: "
-                                                      "pretrained_long_context's lsh_heads_centred model)")
-    parser.add_argument("--results", type=Path, default=COMMITTED)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--trials", type=int, default=1, help="prompts per length and depth")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--digits", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--remeasure", action="store_true", help="measure every prompt, not only missing ones")
+    add_probe_arguments(parser, COMMITTED, "a converted design with lsh_window far parts (default: "
+                                           "pretrained_long_context's lsh_heads_centred model)", [8192])
     args = parser.parse_args(argv)
-    model = args.model or default_model()
-    if model is None or not (Path(model) / "config.json").is_file():
-        raise BadArgument(f"--model {model}: give a saved converted design with lsh_window far parts (run "
-                          "benchmarks/pretrained_long_context.py --designs lsh_heads_centred first for the default).")
-    for name in ("trials", "threads", "digits"):
-        if getattr(args, name) < 1:
-            raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
-    if any(not 0 <= d <= 1 for d in args.depths):
-        raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1].")
-    if any(n < 64 for n in args.lengths):
-        raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
+    model = checked_model(args, default_model(), "a saved converted design with lsh_window far parts (run "
+                                                 "benchmarks/pretrained_long_context.py --designs lsh_heads_centred "
+                                                 "first for the default)")
     config = json.loads((Path(model) / "config.json").read_text())
     reach = config.get("window_size", 0) + config.get("num_sink_tokens", 0)
     if any(n <= reach for n in args.lengths):
         raise BadArgument(f"--lengths {args.lengths}: the model's window and sinks span {reach} tokens, so a prompt "
                           f"of that length or less has no far key; give lengths above {reach}.")
-    setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits}
-    target = report_target(args.results, setup, validate, LABEL)
-    report = read_report(target, validate, LABEL) if target.exists() else {"benchmark": LABEL, "setup": setup,
-                                                                             "rows": []}
-    report["environment"] = cpu_environment()
-    jobs = [{"length": n, "depth": d, "trial": t, "model": model, "seed": args.seed, "digits": args.digits,
-             "threads": args.threads}
-            for n in sorted(args.lengths) for d in args.depths for t in range(args.trials)]
-
-    def keep(report):
-        report["summary"] = summary(report["rows"])
-        write_report(target, report)
-
-    measure_missing_rows(report, jobs, KEY, measure, keep, args.remeasure)
-    keep(report)
-    plot(report, target.with_suffix(".png"))
-    print(json.dumps(report["summary"], indent=1))
-    return report
+    return run_probe(args, model, {}, validate, LABEL, measure, summary, plot)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ and, with no threshold, the part of the key line's far attention (its shares exp
 heads) that sits in heads whose candidates fall short.
 The checks are exact sums of the model's own scores, no imitation of the hashing.
 
-    python benchmarks/lsh_candidate_recall.py --lengths 8192    # benchmarks/results/lsh_candidate_recall.json, .png
+    python benchmarks/lsh_candidate_recall.py    # 4K, 8K, 16K: benchmarks/results/lsh_candidate_recall.json, .png
 
 Each prompt's row is kept in the report as it is measured; a rerun with the same setup measures only the prompts the
-report lacks (`--remeasure`: all). On 2 cores a prompt costs the design's prefill (about 100 s at 8K for
-`lsh_heads_centred`).
+report lacks (`--remeasure`: all). On 2 cores a prompt costs the design's prefill and its load: for
+`lsh_heads_centred` about 25 s at 4K, 100 s at 8K and 2.5 minutes at 16K.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_probe_arguments(parser, COMMITTED, "a converted design with lsh_window far parts (default: "
-                                           "pretrained_long_context's lsh_heads_centred model)", [8192])
+                                           "pretrained_long_context's lsh_heads_centred model)",
+                        [4096, 8192, 16384])
     args = parser.parse_args(argv)
     model = checked_model(args, default_model(), "a saved converted design with lsh_window far parts (run "
                                                  "benchmarks/pretrained_long_context.py --designs lsh_heads_centred "

@@ -59,9 +59,10 @@ def default_model() -> str | None:
 
 def lsh_far_parts(model) -> dict:
     """{layer index: its LSH far part} of every layer with one; BadArgument naming --model when there is none."""
+    from attnzoo.evaluation.retrieval_layers import far_layers
     from attnzoo.modeling.attention.lsh_window import LSHFarPart
 
-    parts = {m.layer_idx: m.far for m in model.modules() if isinstance(getattr(m, "far", None), LSHFarPart)}
+    parts = {index: layer.far for index, layer in far_layers(model).items() if isinstance(layer.far, LSHFarPart)}
     if not parts:
         raise BadArgument("--model: it has no LSH far part; give a design with lsh_window layers (e.g. "
                           "pretrained_long_context's lsh_heads_centred).")
@@ -89,9 +90,9 @@ def recorded_heads(model, key_line, record: list):
                 line = far_scores[:, key_line]
                 candidates = out.den[0, :, position].float().log() + out.log_scale[0, :, position].float()
                 rank = (far_scores > line.amax(-1, keepdim=True)).sum(-1)
-                for head in range(q.shape[0]):
-                    record.append((index, head, float(candidates[head]), float(far_scores[head].logsumexp(-1)),
-                                   float(line[head].logsumexp(-1)), int(rank[head])))
+                record.extend((index, head, *values) for head, values in enumerate(zip(
+                    candidates.tolist(), far_scores.logsumexp(-1).tolist(), line.logsumexp(-1).tolist(),
+                    rank.tolist(), strict=True)))
                 return out
 
             far.parallel = parallel
@@ -114,21 +115,26 @@ def measure(job: dict) -> dict:
             "first_answer_token": first, "passkey": prompt.passkey}
 
 
+def is_short(head: dict) -> bool:
+    """Its candidates weigh less than the key line alone: they lost part of it."""
+    return head["candidates"] < head["key_line"] - TOLERANCE
+
+
 def head_summary(heads: list[dict]) -> dict:
     """Counts and far-mass shares over some heads' records (see the module docstring)."""
     reading = [h for h in heads if h["key_line"] - h["all_far"] >= READING]
-    short = [h for h in reading if h["candidates"] < h["key_line"] - TOLERANCE]
+    short = [h for h in reading if is_short(h)]
 
     def held(chosen):
         return (sum(math.exp(min(h["candidates"] - h["all_far"], 0.0)) for h in chosen) / len(chosen)
                 if chosen else None)
 
     line_mass = [math.exp(h["key_line"] - h["all_far"]) for h in heads]
-    lost = sum(m for h, m in zip(heads, line_mass, strict=True) if h["candidates"] < h["key_line"] - TOLERANCE)
+    lost = sum(m for h, m in zip(heads, line_mass, strict=True) if is_short(h))
     return {"far_query_heads": len(heads), "reading_heads": len(reading), "reading_heads_short": len(short),
             "reading_heads_holding_share": 1 - len(short) / len(reading) if reading else None,
             "far_mass_held": held(heads), "far_mass_held_reading": held(reading),
-            "heads_short": sum(h["candidates"] < h["key_line"] - TOLERANCE for h in heads),
+            "heads_short": sum(map(is_short, heads)),
             "key_line_mass_in_short_heads": lost / sum(line_mass) if heads else None}
 
 

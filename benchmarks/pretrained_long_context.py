@@ -82,7 +82,10 @@ RULER (`--no_ruler` leaves it out): lm-eval's own RULER tasks (`--ruler_tasks`, 
 --model_args pretrained=FOLDER,max_length=... --tasks TASK --metadata '{"max_seq_lengths": [LENGTH]}' --limit N`
 runs them (greedy, no chat template, lm-eval's 128 generated tokens and its string-match score), at the grid's
 lengths the tasks report (4K and up), the first --ruler_samples of lm-eval's samples (--ruler_long_samples from
---long_length), one row per (design, task, length) in the report's "ruler_rows". The tasks build their haystacks
+--long_length), one row per (design, task, length) in the report's "ruler_rows". A row grows --ruler_batch samples
+per lm-eval call (lm-eval's `--samples`, the documents by index), kept after each call, so a run stopped midway (or
+by --max_seconds) keeps what it measured and the next run goes on from there; a row short of the samples asked shows
+as "score (samples of asked)" in the table. The tasks build their haystacks
 locally; their module wants nltk's `punkt_tab`, which these two never use: `attnzoo.evaluation.harness.
 prepare_ruler_offline` puts an empty one on nltk's path when it is not installed (`pip install 'attnzoo[ruler]'`
 brings wonderwords, which draws their keys).
@@ -237,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ruler_tasks", nargs="+", default=RULER_TASKS, help="lm-eval RULER tasks (see the docstring)")
     p.add_argument("--ruler_samples", type=int, default=20, help="lm-eval samples per RULER task and length")
     p.add_argument("--ruler_long_samples", type=int, default=10, help="RULER samples at lengths >= --long_length")
+    p.add_argument("--ruler_batch", type=int, default=5,
+                   help="RULER samples per lm-eval call: each call's samples are kept before the next one starts")
     p.add_argument("--remeasure", action="store_true", help="measure the chosen cells again, even if stored")
     p.add_argument("--readme_only", action="store_true", help="rewrite the README table from --results")
     return p
@@ -263,7 +268,7 @@ def check_arguments(args) -> None:
                 "wide_block_topk", "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads",
                 "attribution_prompts", "attribution_steps", "calibration_length", "calibration_prompts",
                 "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "centred_hashes",
-                "centred_chunks_before", "threads", "ruler_samples", "ruler_long_samples")
+                "centred_chunks_before", "threads", "ruler_samples", "ruler_long_samples", "ruler_batch")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
@@ -702,9 +707,9 @@ def measure_loss(job: dict) -> dict:
 
 
 def measure_ruler(job: dict) -> dict:
-    """One (design, task, length) of lm-eval's RULER: the mean string-match score over the first job["samples"]
-    samples; each sample's score, expected answers, reply (its first 200 characters) and prompt tokens (as lm-eval's
-    tokenizer counts them); the cell's seconds."""
+    """Part of one (design, task, length) of lm-eval's RULER, lm-eval's samples job["doc_ids"]: the mean
+    string-match score over them; each sample's document index, score, expected answers, reply (its first 200
+    characters) and prompt tokens (as lm-eval's tokenizer counts them); the call's seconds."""
     import torch
     from transformers import AutoConfig
 
@@ -717,19 +722,71 @@ def measure_ruler(job: dict) -> dict:
     model_args = {"dtype": job["dtype"], "max_length": job["length"] + RULER_GEN_TOKENS}
     if rope:
         model_args["rope_parameters"] = {**AutoConfig.from_pretrained(job["folder"]).rope_parameters, **rope}
-    results = lm_harness.run(job["folder"], [job["task"]], limit=job["samples"], model_args=model_args,
+    results = lm_harness.run(job["folder"], [job["task"]], samples={job["task"]: job["doc_ids"]},
+                             model_args=model_args,
                              device=job.get("device", "cpu"),
                              log_samples=True, bootstrap_iters=0, metadata={"max_seq_lengths": [job["length"]]})
     samples = sorted(results["samples"][job["task"]], key=lambda s: s["doc_id"])
     scores = [float(s[str(job["length"])]) for s in samples]
-    return {"score": statistics.mean(scores), "samples": len(scores), "sample_scores": scores,
+    if [s["doc_id"] for s in samples] != job["doc_ids"]:
+        raise RuntimeError(f"lm-eval ran documents {[s['doc_id'] for s in samples]}, not {job['doc_ids']}")
+    return {"score": statistics.mean(scores), "samples": len(scores), "doc_ids": job["doc_ids"],
+            "sample_scores": scores,
             "answers": [s["doc"]["outputs"] for s in samples],
             "replies": [s["filtered_resps"][0][:200] for s in samples],
             "prompt_tokens": [s["doc"]["length"] for s in samples], "rope": rope,
             "lm_eval": lm_harness.lm_eval_version(), "cell_s": time.perf_counter() - started}
 
 
+#: a RULER row's per-sample lists, in document order; a part's lists extend the row's
+RULER_SAMPLE_FIELDS = ("doc_ids", "sample_scores", "answers", "replies", "prompt_tokens")
+
+
+def ruler_doc_ids(row: dict) -> list[int]:
+    """The documents a RULER row holds (rows measured in one call before the parts kept none: lm-eval's first ones)."""
+    return row.get("doc_ids", list(range(row["samples"])))
+
+
+def extend_ruler_rows(part: dict, jobs: list[dict], measure_part, keep, batch: int, remeasure: bool,
+                      lm_eval: str) -> None:
+    """Grow each job's RULER row (part["rows"], one per RULER_KEY) to job["samples"] of lm-eval's documents, from
+    the first one it lacks, `batch` documents per measure_part call (None: the budget is spent or the worker
+    failed, which ends this job), the row kept after each. A row starts again from document 0 with `remeasure`,
+    and when another lm-eval release than `lm_eval` (the one installed) measured it: its parts would not be one
+    evaluation."""
+    def key_of(row: dict) -> tuple:
+        return tuple(row[k] for k in RULER_KEY)
+
+    for job in jobs:
+        key = key_of(job)
+        row = next((r for r in part["rows"] if key_of(r) == key), None)
+        if row is not None and (remeasure or row.get("lm_eval") != lm_eval):
+            row = None  # replaced by the first part measured now
+        while row is None or row["samples"] < job["samples"]:
+            first = 0 if row is None else len(ruler_doc_ids(row))
+            got = measure_part({**job, "doc_ids": list(range(first, min(job["samples"], first + batch)))})
+            if got is None:
+                break
+            if row is not None:
+                merged = {f: (ruler_doc_ids(row) if f == "doc_ids" else list(row[f])) + list(got[f])
+                          for f in RULER_SAMPLE_FIELDS}
+                got = {**got, **merged, "score": statistics.mean(merged["sample_scores"]),
+                       "samples": len(merged["doc_ids"]), "cell_s": row["cell_s"] + got["cell_s"]}
+            row = {**dict(zip(RULER_KEY, key, strict=True)), **got, "samples_asked": job["samples"]}
+            print(json.dumps(row), flush=True)
+            part["rows"] = [r for r in part["rows"] if key_of(r) != key] + [row]
+            keep(part)
+
+
 # -- the report -----------------------------------------------------------------------------------------------------
+def ruler_cell(entry: dict) -> str:
+    """A RULER score in the table: "score (samples)", or "score (samples of asked)" while the row is short."""
+    count = str(entry["samples"])
+    if entry["samples"] < entry["samples_asked"]:
+        count += f" of {entry['samples_asked']}"
+    return f"{100 * entry['score']:.0f} ({count})"
+
+
 def trials_at(length: int, grid: dict) -> int:
     return grid["long_trials"] if length >= grid["long_length"] else grid["trials"]
 
@@ -790,7 +847,8 @@ def summary(report: dict) -> dict:
             entry["loss"]["within_native_over_source"] = row["loss_within_native"] / source["loss_within_native"]
     for row in report.get("ruler_rows", []):
         entry = out.setdefault(f"{row['design']}/{row['length']}", {"cells": 0, "cells_missing": 0})
-        entry.setdefault("ruler", {})[row["task"]] = {"score": row["score"], "samples": row["samples"]}
+        entry.setdefault("ruler", {})[row["task"]] = {"score": row["score"], "samples": row["samples"],
+                                                      "samples_asked": row.get("samples_asked", row["samples"])}
     out = dict(sorted(out.items(), key=lambda kv: (DESIGN_NAMES.index(kv[0].split("/")[0]),
                                                    int(kv[0].split("/")[1]))))
     for key, entry in out.items():
@@ -869,8 +927,7 @@ def table(report: dict) -> str:
                 elif not ruler:
                     cells.append("-")
                 else:
-                    cells.append(" / ".join(f"{100 * ruler[t]['score']:.0f} ({ruler[t]['samples']})" if t in ruler
-                                            else "-" for t in tasks))
+                    cells.append(" / ".join(ruler_cell(ruler[t]) if t in ruler else "-" for t in tasks))
             lines.append(f"| {design} | " + " | ".join(cells) + " |")
     if any("loss" in e for e in entries.values()):
         lines += ["", f"Loss (nats/token) on the document: over its first {native} tokens (x the source's) / over "
@@ -974,7 +1031,7 @@ def main(argv=None) -> dict | None:
                 left.append(job)
                 return None
             row = measure_job(job)
-            if say is not None:
+            if say is not None and row is not None:
                 say(job, row)
             return row
         return run
@@ -1008,8 +1065,9 @@ def main(argv=None) -> dict | None:
     ruler_part = {"rows": report.setdefault("ruler_rows", [])}
 
     def say_ruler(job: dict, row: dict) -> None:
-        print(f"RULER {job['task']} {job['design']} {job['length']}: {100 * row['score']:.0f}% of {row['samples']} "
-              f"samples, cell {row['cell_s']:.1f} s", flush=True)
+        print(f"RULER {job['task']} {job['design']} {job['length']}, documents {row['doc_ids'][0]}-"
+              f"{row['doc_ids'][-1]}: {100 * row['score']:.0f}% of {row['samples']} samples, {row['cell_s']:.1f} s",
+              flush=True)
 
     try:
         # (the measuring functions are looked up when called, so that a test can count them)
@@ -1018,9 +1076,11 @@ def main(argv=None) -> dict | None:
         if args.loss:
             measure_missing_rows(loss_part, loss_jobs, LOSS_KEY, within_budget(lambda job: measure_loss(job)),
                                  keeping("loss_rows"), args.remeasure)
-        measure_missing_rows(ruler_part, ruler_jobs, RULER_KEY,
-                             within_budget(lambda job: measure_ruler(job), say_ruler), keeping("ruler_rows"),
-                             args.remeasure)
+        if ruler_jobs:
+            from attnzoo.evaluation.harness import lm_eval_version
+
+            extend_ruler_rows(ruler_part, ruler_jobs, within_budget(lambda job: measure_ruler(job), say_ruler),
+                              keeping("ruler_rows"), args.ruler_batch, args.remeasure, lm_eval_version())
     finally:
         _LOADED.clear()
         _LOADED["key"] = None

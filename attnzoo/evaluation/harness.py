@@ -111,14 +111,15 @@ def _known(manager, name: str) -> bool:
 
 
 def run(model_name_or_path: str | Path, tasks: list[str], *, include_path: list[str | Path] = (), batch_size=1,
-        num_fewshot: int | None = None, limit: float | None = None, device: str = "cpu",
-        model_args: dict | None = None, log_samples: bool = False, bootstrap_iters: int = 100_000,
-        metadata: dict | None = None) -> dict | None:
+        num_fewshot: int | None = None, limit: float | None = None, samples: dict[str, list[int]] | None = None,
+        device: str = "cpu", model_args: dict | None = None, log_samples: bool = False,
+        bootstrap_iters: int = 100_000, metadata: dict | None = None) -> dict | None:
     """lm-eval's results dict for `tasks` (names, tags, groups or YAML files), or None on the processes other than
     the main one under `accelerate launch` (lm-eval splits the requests across them). `model_args` go to lm-eval's
     `hf` model as `--model_args` do (e.g. trust_remote_code, dtype, mixed_precision_dtype, max_length);
     `metadata` to the tasks as `--metadata` does (e.g. the pass-key tasks' `max_seq_lengths`), with the model's
-    arguments, as lm-eval's command gives them."""
+    arguments, as lm-eval's command gives them. `samples` ({task: document indices}, as `--samples` does) runs
+    those documents only, instead of the first `limit`, so that a long evaluation can go in parts."""
     lm_eval_version()
     from lm_eval import simple_evaluate
 
@@ -126,13 +127,18 @@ def run(model_name_or_path: str | Path, tasks: list[str], *, include_path: list[
         raise ValueError("--lm_eval_tasks is empty: name at least one task, e.g. attnzoo_pydoc.")
     if limit is not None and not limit > 0:
         raise ValueError(f"--lm_eval_limit={limit} must be positive (a count of documents, or a fraction below 1).")
+    if limit is not None and samples is not None:
+        raise ValueError("limit and samples both choose the documents: give one of them.")
+    if samples is not None and (set(samples) - set(tasks) or any(not ids for ids in samples.values())):
+        raise ValueError(f"samples={samples!r}: give a non-empty list of document indices for tasks among {tasks}.")
     if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch size {batch_size!r} must be a positive integer or 'auto'.")
     model_args = {"pretrained": str(model_name_or_path), **(model_args or {})}
     manager = task_manager(list(tasks), list(include_path), {**model_args, **(metadata or {})})
     return simple_evaluate(model="hf", model_args=model_args,
                            tasks=list(tasks), task_manager=manager, batch_size=batch_size, num_fewshot=num_fewshot,
-                           limit=limit, device=device, log_samples=log_samples, bootstrap_iters=bootstrap_iters)
+                           limit=limit, samples=samples, device=device, log_samples=log_samples,
+                           bootstrap_iters=bootstrap_iters)
 
 
 def _number(value) -> float | None:

@@ -202,7 +202,7 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
                                          ("--sink_positions", "middle"), ("--block_query_size", "5"),
                                          ("--centred_buckets", "5"), ("--centred_hashes", "0"),
                                          ("--wide_block_topk", "0"), ("--quantised_key_bits", "2"),
-                                         ("--quantised_value_bits", "16"), ("--device", "tpu"),
+                                         ("--quantised_value_bits", "16"), ("--ruler_batch", "0"), ("--device", "tpu"),
                                          ("--device", "cuda:x"), ("--device", "cuda:")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):
@@ -255,10 +255,11 @@ def test_a_foreign_results_file_is_refused_and_left_as_it_was(tmp_path, source, 
 
 
 def test_ruler_cells_run_lm_evals_own_task_offline_and_are_kept(tmp_path, source, monkeypatch):
-    """lm-eval's niah_single_1 at 4,096 tokens (2 samples) on the window design: one row per (design, task,
-    length) with lm-eval's per-sample scores, prompts of the asked length that lm-eval did not cut, the summary's and
-    the table's RULER entries from the results file; a rerun measures nothing new. Where nltk's punkt_tab is not
-    installed, an empty one is written beside the models and put on nltk's path for the run."""
+    """lm-eval's niah_single_1 at 4,096 tokens (2 samples, one per lm-eval call) on the window design: one row per
+    (design, task, length) with lm-eval's per-sample scores in document order, prompts of the asked length that
+    lm-eval did not cut, the summary's and the table's RULER entries from the results file; a rerun measures nothing
+    new. Where nltk's punkt_tab is not installed, an empty one is written beside the models and put on nltk's path
+    for the run."""
     import nltk
 
     monkeypatch.setattr(nltk.data, "path", list(nltk.data.path))  # the run's addition goes with the test
@@ -271,22 +272,120 @@ def test_ruler_cells_run_lm_evals_own_task_offline_and_are_kept(tmp_path, source
     monkeypatch.setattr(bench, "measure_ruler", lambda job, measure=bench.measure_ruler: calls.append(job) or
                         measure(job))
     ruler = ["--designs", "window", "--lengths", "4096", "--no_loss", "--ruler_tasks", "niah_single_1",
-             "--ruler_samples", "2"]
+             "--ruler_samples", "2", "--ruler_batch", "1"]
     report = run(tmp_path, source, *ruler)
     saved = json.loads((tmp_path / "plc.json").read_text())
-    assert saved["ruler_rows"] == report["ruler_rows"] and len(calls) == 1
+    assert saved["ruler_rows"] == report["ruler_rows"] and [job["doc_ids"] for job in calls] == [[0], [1]]
     (row,) = saved["ruler_rows"]
     assert (row["design"], row["task"], row["length"], row["samples"]) == ("window", "niah_single_1", 4096, 2)
+    assert row["doc_ids"] == [0, 1] and len(set(map(tuple, row["answers"]))) == 2  # two documents, not one twice
     # lm-eval's string match, sample by sample: every expected answer inside the reply
     for score, answers, reply in zip(row["sample_scores"], row["answers"], row["replies"], strict=True):
         assert score == sum(a.lower() in reply.lower() for a in answers) / len(answers)
     assert row["score"] == pytest.approx(sum(row["sample_scores"]) / 2)
     assert all(2048 < n <= 4096 for n in row["prompt_tokens"])  # lm-eval sized them to the 4K task
-    assert saved["summary"]["window/4096"]["ruler"] == {"niah_single_1": {"score": row["score"], "samples": 2}}
+    assert saved["summary"]["window/4096"]["ruler"] == {
+        "niah_single_1": {"score": row["score"], "samples": 2, "samples_asked": 2}}
     assert "RULER (niah_single_1)" in bench.table(saved)
     assert (tmp_path / "models" / "nltk_data" / "tokenizers" / "punkt_tab" / "english").is_dir() != had_punkt
     run(tmp_path, source, *ruler)
-    assert len(calls) == 1 and len(json.loads((tmp_path / "plc.json").read_text())["ruler_rows"]) == 1
+    assert len(calls) == 2 and len(json.loads((tmp_path / "plc.json").read_text())["ruler_rows"]) == 1
+
+
+def ruler_stand_in(calls: list, stop_after: int | None = None, lm_eval: str | None = None):
+    """measure_ruler's stand-in: document i scores 1 unless i is 3, each call takes 10 s, measured by the lm-eval
+    installed unless `lm_eval` says otherwise; after `stop_after` calls it returns None, as within_budget does once
+    --max_seconds is spent."""
+    from attnzoo.evaluation.harness import lm_eval_version
+
+    def measure_part(job):
+        if stop_after is not None and len(calls) >= stop_after:
+            return None
+        calls.append(job["doc_ids"])
+        ids = job["doc_ids"]
+        return {"score": sum(i != 3 for i in ids) / len(ids), "samples": len(ids), "doc_ids": ids,
+                "sample_scores": [float(i != 3) for i in ids], "answers": [[str(i)] for i in ids],
+                "replies": [f" {i}." for i in ids], "prompt_tokens": [4000 + i for i in ids], "rope": None,
+                "lm_eval": lm_eval or lm_eval_version(), "cell_s": 10.0}
+    return measure_part
+
+
+def passkey_stand_in(job):
+    return {"correct": True, "passkey": "12345", "continuation": " 12345", "key_position": 0, "depth_used": 0.5,
+            "rope": None, "prefill_s": 0.5, "decode_steps": 1, "decode_tokens_per_s": 2.0, "state_bytes": 8,
+            "load_s": 0.0, "cell_s": 1.0}
+
+
+RULER_IN_PARTS = ["--designs", "window", "--lengths", "4096", "--no_loss", "--ruler_tasks", "niah_single_1",
+                  "--ruler_samples", "5", "--ruler_batch", "2"]
+
+
+def test_a_ruler_row_grows_in_parts_and_a_stopped_run_keeps_its_parts(tmp_path, source, monkeypatch):
+    """--ruler_batch 2 of 5 samples: a run stopped after its first lm-eval call keeps a 2-sample row (documents 0
+    and 1) that the summary and table mark as short of the 5 asked; the next run calls lm-eval only for the
+    documents it lacks, [2, 3] then [4], and the row holds all five in document order."""
+    monkeypatch.setattr(bench, "measure", passkey_stand_in)
+    stopped = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(stopped, stop_after=1))
+    run(tmp_path, source, *RULER_IN_PARTS)
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    (row,) = saved["ruler_rows"]
+    assert stopped == [[0, 1]] and (row["samples"], row["samples_asked"], row["doc_ids"]) == (2, 5, [0, 1])
+    assert saved["summary"]["window/4096"]["ruler"]["niah_single_1"] == {"score": 1.0, "samples": 2,
+                                                                        "samples_asked": 5}
+    assert "| 100 (2 of 5) |" in bench.table(saved)
+    went_on = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(went_on))
+    run(tmp_path, source, *RULER_IN_PARTS)
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    (row,) = saved["ruler_rows"]
+    assert went_on == [[2, 3], [4]]
+    assert row["doc_ids"] == [0, 1, 2, 3, 4] and row["sample_scores"] == [1.0, 1.0, 1.0, 0.0, 1.0]
+    assert row["answers"] == [[str(i)] for i in range(5)] and row["prompt_tokens"] == [4000 + i for i in range(5)]
+    assert (row["score"], row["samples"], row["cell_s"]) == (pytest.approx(0.8), 5, 30.0)
+    assert "| 80 (5) |" in bench.table(saved)
+    run(tmp_path, source, *RULER_IN_PARTS)
+    assert went_on == [[2, 3], [4]]  # complete: nothing more to measure
+
+
+@pytest.mark.parametrize("why", ["remeasure", "other_lm_eval"])
+def test_a_ruler_row_starts_again_when_remeasured_or_measured_by_another_lm_eval(tmp_path, source, monkeypatch,
+                                                                                  why):
+    """--remeasure, or a row another lm-eval release measured, starts again from document 0: parts of two
+    evaluations are never merged."""
+    monkeypatch.setattr(bench, "measure", passkey_stand_in)
+    first = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(
+        first, lm_eval="0.4.0" if why == "other_lm_eval" else None))
+    run(tmp_path, source, *RULER_IN_PARTS[:-4], "--ruler_samples", "3", "--ruler_batch", "3")
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    for row in saved["ruler_rows"]:  # as the rows measured in one call were written
+        del row["doc_ids"], row["samples_asked"]
+    (tmp_path / "plc.json").write_text(json.dumps(saved))
+    again = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(again))
+    run(tmp_path, source, *RULER_IN_PARTS, *(["--remeasure"] if why == "remeasure" else []))
+    (row,) = json.loads((tmp_path / "plc.json").read_text())["ruler_rows"]
+    assert first == [[0, 1, 2]] and again == [[0, 1], [2, 3], [4]]
+    assert row["doc_ids"] == [0, 1, 2, 3, 4] and row["cell_s"] == 30.0
+
+
+def test_a_ruler_row_from_one_call_grows_from_the_documents_it_holds(tmp_path, source, monkeypatch):
+    """A row from before the parts (no doc_ids: lm-eval's first 3 documents, as --limit 3 chose them) grows from
+    document 3."""
+    monkeypatch.setattr(bench, "measure", passkey_stand_in)
+    first = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(first))
+    run(tmp_path, source, *RULER_IN_PARTS[:-4], "--ruler_samples", "3", "--ruler_batch", "3")
+    saved = json.loads((tmp_path / "plc.json").read_text())
+    for row in saved["ruler_rows"]:
+        del row["doc_ids"], row["samples_asked"]
+    (tmp_path / "plc.json").write_text(json.dumps(saved))
+    again = []
+    monkeypatch.setattr(bench, "measure_ruler", ruler_stand_in(again))
+    run(tmp_path, source, *RULER_IN_PARTS)
+    (row,) = json.loads((tmp_path / "plc.json").read_text())["ruler_rows"]
+    assert again == [[3, 4]] and row["doc_ids"] == [0, 1, 2, 3, 4] and row["samples"] == 5
 
 
 @pytest.mark.parametrize("tasks, says", [(["niah_single_2"], "punkt_tab"), (["niah_singel_1"], "niah_single_1")])

@@ -463,6 +463,17 @@ def test_evaluate_script_refuses_bad_lm_eval_arguments(tmp_path, checkpoint):
         run_script("evaluate", ["--model_name_or_path", untokenized, "--lm_eval_tasks", LOCAL_TAG])
 
 
+@needs_lm_eval
+@pytest.mark.parametrize("choice, says", [(dict(limit=3, samples={LOCAL_TAG: [0]}), "give one of them"),
+                                          (dict(samples={"other_task": [0]}), "for tasks among"),
+                                          (dict(samples={LOCAL_TAG: []}), "non-empty list")])
+def test_the_harness_refuses_documents_chosen_twice_or_for_no_task(tmp_path, choice, says):
+    from attnzoo.evaluation import harness
+
+    with pytest.raises(ValueError, match=says):
+        harness.run(tmp_path, [LOCAL_TAG], **choice)
+
+
 def test_without_lm_eval_the_script_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'attnzoo\[lm-eval\]'"):

@@ -17,7 +17,7 @@ KEY = ("length", "depth", "trial")
 def add_probe_arguments(parser: argparse.ArgumentParser, committed: Path, model_help: str,
                         lengths: list[int]) -> None:
     """--model, --results (default `committed`), --lengths (default `lengths`), --depths, --trials, --seed, --digits,
-    --threads and --remeasure."""
+    --filler, --threads and --remeasure."""
     parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--results", type=Path, default=committed)
     parser.add_argument("--lengths", type=int, nargs="+", default=lengths)
@@ -25,6 +25,8 @@ def add_probe_arguments(parser: argparse.ArgumentParser, committed: Path, model_
     parser.add_argument("--trials", type=int, default=1, help="prompts per length and depth")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--digits", type=int, default=5)
+    parser.add_argument("--filler", default="repeat",
+                        help="the haystack (attnzoo.evaluation.passkey's fillers: repeat, repeat_shifted, corpus)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--remeasure", action="store_true", help="measure every prompt, not only missing ones")
 
@@ -40,13 +42,17 @@ def checked_model(args, default: str | None, wanted: str) -> str:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
     if any(not 0 <= d <= 1 for d in args.depths):
         raise BadArgument(f"--depths {args.depths}: give fractions in [0, 1].")
+    from attnzoo.evaluation.passkey import FILLERS
+
+    if args.filler not in FILLERS:
+        raise BadArgument(f"--filler {args.filler!r}: pick one of {list(FILLERS)}.")
     if any(n < 64 for n in args.lengths):
         raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
     return model
 
 
 def probed_prompt(job: dict, recording):
-    """Read job's pass-key prompt (the repeated filler; trial t's key drawn from random.Random(f"{seed}:{t}")) with
+    """Read job's pass-key prompt (job["filler"]; trial t's key drawn from random.Random(f"{seed}:{t}")) with
     the converted model at job["model"] in one forward, within `recording(model, prompt)` (a context manager that
     records what the probe wants); returns (the model, the prompt, the first answer token it predicts)."""
     import random
@@ -60,7 +66,7 @@ def probed_prompt(job: dict, recording):
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(job["model"])
     prompt = passkey_prompt(tokenizer, job["length"], job["depth"], random.Random(f"{job['seed']}:{job['trial']}"),
-                            digits=job["digits"], filler="repeat")
+                            digits=job["digits"], filler=job["filler"])
     with torch.inference_mode(), recording(model, prompt):
         logits = model(torch.tensor([prompt.input_ids]), logits_to_keep=1).logits
     return model, prompt, tokenizer.decode(logits[0, -1].argmax())
@@ -70,13 +76,16 @@ def run_probe(args, model: str, setup: dict, validate, label: str, measure, summ
               **job_fields) -> dict:
     """Measure the prompts the report at --results lacks (all with --remeasure), one worker each, keeping the report
     (its "summary" from `summary(rows)`) after every row; then plot it beside and print the summary."""
-    setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits, **setup}
-    target = report_target(args.results, setup, validate, label)
+    setup = {"model": Path(model).name, "seed": args.seed, "digits": args.digits, "filler": args.filler, **setup}
+    # reports from before --filler read the repeated filler
+    target = report_target(args.results, setup, validate, label,
+                           setup_of=lambda earlier: {"filler": "repeat", **earlier.get("setup", {})})
     report = read_report(target, validate, label) if target.exists() else {"benchmark": label, "setup": setup,
                                                                              "rows": []}
+    report["setup"] = setup  # (an earlier report's, with the fields added since)
     report["environment"] = cpu_environment()
     jobs = [{"length": n, "depth": d, "trial": t, "model": model, "seed": args.seed, "digits": args.digits,
-             "threads": args.threads, **job_fields}
+             "filler": args.filler, "threads": args.threads, **job_fields}
             for n in sorted(args.lengths) for d in args.depths for t in range(args.trials)]
 
     def keep(report):

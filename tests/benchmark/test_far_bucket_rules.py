@@ -108,8 +108,26 @@ def test_the_summary_counts_the_heads_that_read_the_key_line():
     assert summary["16"] == {"prompts": 1, "reading_heads": 0, "rules": {}}
 
 
-@pytest.mark.parametrize("flag, value", [("--rules", "rotations_5x8"), ("--rules", "centroids_8x16"),
-                                         ("--rules", "blocks"), ("--rules", "sorted_4"), ("--recent", "0"),
+def test_a_report_from_before_the_filler_option_is_continued_and_another_filler_goes_beside(tmp_path, model_dir):
+    args = ["--model", str(model_dir), "--results", str(tmp_path / "fbr.json"), "--lengths", "300", "--depths", "0.5",
+            "--rules", "centroids_8x2", "--calibration_length", "64", "--threads", "1"]
+    first = bench.main(args)
+    saved = json.loads((tmp_path / "fbr.json").read_text())
+    assert saved["setup"]["filler"] == "repeat"
+    del saved["setup"]["filler"]  # as the reports before --filler were written
+    (tmp_path / "fbr.json").write_text(json.dumps(saved))
+    again = bench.main([*args, "--depths", "0.5", "1"])
+    assert again["rows"][0] == first["rows"][0] and len(again["rows"]) == 2
+    assert json.loads((tmp_path / "fbr.json").read_text())["setup"]["filler"] == "repeat"
+    prose = bench.main([*args, "--filler", "corpus"])
+    assert prose["setup"]["filler"] == "corpus" and len(prose["rows"]) == 1
+    assert len(list(tmp_path.glob("fbr*.json"))) == 2 and len(json.loads((tmp_path / "fbr.json").read_text())[
+        "rows"]) == 2
+
+
+@pytest.mark.parametrize("flag, value", [("--filler", "lorem"), ("--rules", "rotations_5x8"),
+                                         ("--rules", "centroids_8x16"), ("--rules", "blocks"),
+                                         ("--rules", "sorted_4"), ("--recent", "0"),
                                          ("--calibration_length", "4"), ("--depths", "2")])
 def test_bad_arguments_name_the_argument(tmp_path, model_dir, flag, value):
     with pytest.raises(ValueError, match=flag):

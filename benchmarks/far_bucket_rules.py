@@ -40,14 +40,21 @@ import argparse
 import math
 import statistics
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import rows_report_check, save_figure  # noqa: E402
 from owned_outputs import BadArgument, exit_on_refusal  # noqa: E402
-from passkey_probe import KEY, add_probe_arguments, checked_model, probed_prompt, run_probe  # noqa: E402
+from passkey_probe import (  # noqa: E402
+    KEY,
+    add_probe_arguments,
+    block_far_parts,
+    checked_model,
+    patched_far_parts,
+    probed_prompt,
+    run_probe,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_bucket_rules.json"
@@ -89,32 +96,16 @@ def parse_rule(rule: str) -> tuple[str, tuple[int, ...], bool]:
     return parts[0], numbers, fixed
 
 
-@contextmanager
 def recorded_far_inputs(model, record: dict):
     """Within the block, each block far part's parallel form puts (q [H, n, d], k [kv_heads, n, d]) of the first
     row's real tokens in `record` under its layer index."""
-    from attnzoo.evaluation.retrieval_layers import far_layers
+    def wrap(index, far, x, original):
+        n = int(x.n_real[0])
+        record[index] = (x.q[0, :, :n].float(), x.k[0, :, :n].float())
+        return original(x)
 
-    patched = []
-    try:
-        for index, layer in far_layers(model).items():
-            far = layer.far
-            if not hasattr(far, "query_size"):
-                raise BadArgument(f"--model: layer {index}'s far part ({type(far).__name__}) is not block retrieval; "
-                                  "give a design with block_window far parts in every head (e.g. "
-                                  "block_wide_quantised).")
-
-            def parallel(x, original=far.parallel, index=index):
-                n = int(x.n_real[0])
-                record[index] = (x.q[0, :, :n].float(), x.k[0, :, :n].float())
-                return original(x)
-
-            far.parallel = parallel
-            patched.append(far)
-        yield
-    finally:
-        for far in patched:
-            del far.parallel
+    parts = block_far_parts(model, "a design with block_window far parts in every head (e.g. block_wide_quantised)")
+    return patched_far_parts(parts, wrap)
 
 
 def calibration_keys(job: dict) -> dict:

@@ -28,14 +28,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import rows_report_check, save_figure  # noqa: E402
 from owned_outputs import BadArgument, exit_on_refusal  # noqa: E402
-from passkey_probe import KEY, add_probe_arguments, checked_model, probed_prompt, run_probe  # noqa: E402
+from passkey_probe import (  # noqa: E402
+    KEY,
+    add_probe_arguments,
+    block_far_parts,
+    checked_model,
+    patched_far_parts,
+    probed_prompt,
+    run_probe,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_selection_recall.json"
@@ -66,30 +73,14 @@ def parse_hashing(text: str) -> tuple[int, int]:
     return buckets, rounds
 
 
-@contextmanager
 def recorded_selections(model, record: list):
     """Within the block, each block far part's parallel form appends (σ [H, d], block mean keys [H, M, d]) of the
     last query block of the first row to `record`, per layer in order."""
-    from attnzoo.evaluation.retrieval_layers import far_layers
+    def wrap(index, far, x, original):
+        record.append(last_selection(far, x.q[0], x.k[0], int(x.n_real[0])))
+        return original(x)
 
-    patched = []
-    try:
-        for layer in far_layers(model).values():
-            far = layer.far
-            if not hasattr(far, "query_size"):
-                raise BadArgument(f"--model: layer {layer.layer_idx}'s far part ({type(far).__name__}) is not block "
-                                 "retrieval; give a design with block_window far parts (e.g. block_heads).")
-
-            def parallel(x, original=far.parallel, far=far):
-                record.append(last_selection(far, x.q[0], x.k[0], int(x.n_real[0])))
-                return original(x)
-
-            far.parallel = parallel
-            patched.append(far)
-        yield
-    finally:
-        for far in patched:
-            del far.parallel
+    return patched_far_parts(block_far_parts(model, "a design with block_window far parts (e.g. block_heads)"), wrap)
 
 
 def last_selection(far, q, k, n_real: int):

@@ -34,14 +34,20 @@ import argparse
 import json
 import math
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import rows_report_check, save_figure  # noqa: E402
 from owned_outputs import BadArgument, exit_on_refusal  # noqa: E402
-from passkey_probe import KEY, add_probe_arguments, checked_model, probed_prompt, run_probe  # noqa: E402
+from passkey_probe import (  # noqa: E402
+    KEY,
+    add_probe_arguments,
+    checked_model,
+    patched_far_parts,
+    probed_prompt,
+    run_probe,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "lsh_candidate_recall.json"
@@ -69,38 +75,29 @@ def lsh_far_parts(model) -> dict:
     return parts
 
 
-@contextmanager
 def recorded_heads(model, key_line, record: list):
     """Within the block, each LSH far part's parallel form appends, per query head of the first row's last real
     query, (layer, head, candidates, all_far, key_line, best rank) to `record` (see the module docstring)."""
     import torch
 
-    patched = []
-    try:
-        for index, far in lsh_far_parts(model).items():
-            def parallel(x, original=far.parallel, far=far, index=index):
-                out = original(x)
-                position = int(x.n_real[0]) - 1
-                q = x.q[0, :, position]  # [H, d]
-                keys = far.expand_kv(x.k[:1])[0, :, :position + 1]  # [H, N, d]
-                scores = torch.einsum("hd,hnd->hn", q.float(), keys.float()) * far.scale
-                far_keys = torch.zeros(position + 1, dtype=torch.bool, device=scores.device)
-                far_keys[far.sinks:max(position - far.window_size + 1, far.sinks)] = True
-                far_scores = scores.masked_fill(~far_keys, float("-inf"))
-                line = far_scores[:, key_line]
-                candidates = out.den[0, :, position].float().log() + out.log_scale[0, :, position].float()
-                rank = (far_scores > line.amax(-1, keepdim=True)).sum(-1)
-                record.extend((index, head, *values) for head, values in enumerate(zip(
-                    candidates.tolist(), far_scores.logsumexp(-1).tolist(), line.logsumexp(-1).tolist(),
-                    rank.tolist(), strict=True)))
-                return out
+    def wrap(index, far, x, original):
+        out = original(x)
+        position = int(x.n_real[0]) - 1
+        q = x.q[0, :, position]  # [H, d]
+        keys = far.expand_kv(x.k[:1])[0, :, :position + 1]  # [H, N, d]
+        scores = torch.einsum("hd,hnd->hn", q.float(), keys.float()) * far.scale
+        far_keys = torch.zeros(position + 1, dtype=torch.bool, device=scores.device)
+        far_keys[far.sinks:max(position - far.window_size + 1, far.sinks)] = True
+        far_scores = scores.masked_fill(~far_keys, float("-inf"))
+        line = far_scores[:, key_line]
+        candidates = out.den[0, :, position].float().log() + out.log_scale[0, :, position].float()
+        rank = (far_scores > line.amax(-1, keepdim=True)).sum(-1)
+        record.extend((index, head, *values) for head, values in enumerate(zip(
+            candidates.tolist(), far_scores.logsumexp(-1).tolist(), line.logsumexp(-1).tolist(), rank.tolist(),
+            strict=True)))
+        return out
 
-            far.parallel = parallel
-            patched.append(far)
-        yield
-    finally:
-        for far in patched:
-            del far.parallel
+    return patched_far_parts(lsh_far_parts(model), wrap)
 
 
 def measure(job: dict) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness import cpu_environment, measure_missing_rows
@@ -49,6 +50,37 @@ def checked_model(args, default: str | None, wanted: str) -> str:
     if any(n < 64 for n in args.lengths):
         raise BadArgument(f"--lengths {args.lengths}: give prompt lengths of at least 64 tokens.")
     return model
+
+
+@contextmanager
+def patched_far_parts(parts: dict, wrap):
+    """Within the block, each far part of `parts` ({layer index: far part}) runs `wrap(index, far, x, original)` as
+    its parallel form (original: its own); restored after, also when the block fails."""
+    patched = []
+    try:
+        for index, far in parts.items():
+            def parallel(x, original=far.parallel, far=far, index=index):
+                return wrap(index, far, x, original)
+
+            far.parallel = parallel
+            patched.append(far)
+        yield
+    finally:
+        for far in patched:
+            del far.parallel
+
+
+def block_far_parts(model, wanted: str) -> dict:
+    """{layer index: its far part} of every far layer, each one block retrieval's; BadArgument naming --model, and
+    saying it wants `wanted`, when one is not."""
+    from attnzoo.evaluation.retrieval_layers import far_layers
+
+    parts = {index: layer.far for index, layer in far_layers(model).items()}
+    for index, far in parts.items():
+        if not hasattr(far, "query_size"):
+            raise BadArgument(f"--model: layer {index}'s far part ({type(far).__name__}) is not block retrieval; "
+                              f"give {wanted}.")
+    return parts
 
 
 def probed_prompt(job: dict, recording):

@@ -329,3 +329,17 @@ def save_tiny_llama(folder: Path, layers: int = 2, positions: int = 256) -> Path
     LlamaForCausalLM(config).save_pretrained(folder)
     byte_level_tokenizer(model_max_length=positions).save_pretrained(folder)
     return folder
+
+
+def save_converted_tiny_llama(folder: Path, settings: dict, name: str = "converted", layers: int = 2,
+                              positions: int = 512) -> Path:
+    """save_tiny_llama's model converted into attnzoo's hybrid family with `settings` (attnzoo.convert.llama),
+    saved with its tokenizer in folder / name as a user's conversion would be."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnzoo.convert.llama import convert
+
+    source = save_tiny_llama(folder / "llama", layers=layers, positions=positions)
+    convert(AutoModelForCausalLM.from_pretrained(source), "hybrid", settings).save_pretrained(folder / name)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder / name)
+    return folder / name

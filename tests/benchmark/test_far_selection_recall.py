@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.scripts_helpers import ROOT, load_module, save_tiny_llama
+from tests.scripts_helpers import ROOT, load_module, save_converted_tiny_llama, save_tiny_llama
 
 bench = load_module(ROOT / "benchmarks", "far_selection_recall")
 BLOCKS = dict(attn_layers=["block_window"], window_size=32, num_sink_tokens=4, sink_positions="adjacent",
@@ -19,14 +19,7 @@ BLOCKS = dict(attn_layers=["block_window"], window_size=32, num_sink_tokens=4, s
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from attnzoo.convert.llama import convert
-
-    folder = tmp_path_factory.mktemp("tiny")
-    source = save_tiny_llama(folder / "llama", layers=2, positions=512)
-    converted = convert(AutoModelForCausalLM.from_pretrained(source), "hybrid", BLOCKS)
-    converted.save_pretrained(folder / "block")
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder / "block")
-    return folder / "block"
+    return save_converted_tiny_llama(tmp_path_factory.mktemp("tiny"), BLOCKS, "block")
 
 
 def test_the_exact_rule_is_the_far_parts_own_selection(model_dir):

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from tests.scripts_helpers import ROOT, load_module, save_tiny_llama
+from tests.scripts_helpers import ROOT, load_module, save_converted_tiny_llama, save_tiny_llama
 
 bench = load_module(ROOT / "benchmarks", "lsh_candidate_recall")
 LSH = dict(attn_layers=["lsh_window"], window_size=32, num_sink_tokens=4, sink_positions="adjacent",
@@ -20,13 +20,7 @@ LSH = dict(attn_layers=["lsh_window"], window_size=32, num_sink_tokens=4, sink_p
 
 
 def converted(folder, **settings):
-    from attnzoo.convert.llama import convert
-
-    source = save_tiny_llama(folder / "llama", layers=2, positions=512)
-    model = convert(AutoModelForCausalLM.from_pretrained(source), "hybrid", {**LSH, **settings})
-    model.save_pretrained(folder / "lsh")
-    AutoTokenizer.from_pretrained(source).save_pretrained(folder / "lsh")
-    return folder / "lsh"
+    return save_converted_tiny_llama(folder, {**LSH, **settings}, "lsh")
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,11 @@ past the sinks), each rule chooses a set of far keys:
   count per bucket) scores highest, reading each one's K most recent members;
 - `centroids_CxP_fixed`: the same buckets probed by the calibration's centroids themselves.
 
-The rows hold per rule and head the share of the key line's far attention the set holds, the share of all far
-attention, and the keys read (the set's size; the blocks' mean keys and the buckets' scores are not counted). The
-summary counts heads that read the key line (it carries at least half of their far mass): their mean key-line share,
-how many hold at least half of it, and the median keys read.
+A row counts the far query heads and holds, per head whose far attention gives the key line at least 5% and per
+rule, the share of the key line's far attention the set holds, the share of all far attention, and the keys read (the
+set's size; the blocks' mean keys and the buckets' scores are not counted). The summary counts heads that read the
+key line (it carries at least half of their far mass): their mean key-line share, how many hold at least half of it,
+and the median keys read.
 
     python benchmarks/far_bucket_rules.py     # 8K and 16K: benchmarks/results/far_bucket_rules.json, .png
 
@@ -63,6 +64,9 @@ RULES = ["blocks_8", "rotations_64x8", "rotations_64x32", "centroids_256x8", "ce
          "centroids_256x16_fixed"]
 #: a head reads the key line when the line carries at least half of its far mass
 READING = 0.5
+#: rows keep the heads whose far attention gives the key line at least this share (the others hold nothing the
+#: summary reads; all of them would make a report of a few dozen prompts tens of megabytes)
+KEPT_SHARE = 0.05
 #: Lloyd's iterations of the calibration's k-means
 KMEANS_ITERATIONS = 20
 #: {(model, calibration length): {layer: calibration keys [kv_heads, n, d]}} and each key-value head's centre and
@@ -204,8 +208,9 @@ def chosen_keys(rule: str, query, keys, centre, centroids: dict, generator, bloc
 
 
 def measure(job: dict) -> dict:
-    """One prompt's row: per far query head (layer, head) that has far keys, the key line's and all far attention's
-    shares, and per rule the shares its keys hold and how many it reads."""
+    """One prompt's row: the far query heads counted, and per head (layer, head) whose far attention gives the key
+    line at least KEPT_SHARE, the key line's share, and per rule the shares of the key line's and of all far
+    attention its keys hold and how many it reads."""
     import torch
 
     record: dict = {}
@@ -216,7 +221,7 @@ def measure(job: dict) -> dict:
     counts = sorted({parse_rule(rule)[1][0] for rule in job["rules"] if rule.startswith("centroids")})
     generator = torch.Generator().manual_seed(job["seed"])
     last = len(prompt.input_ids) - 1
-    heads = []
+    heads, far_heads = [], 0
     for index in sorted(record):
         q, k = record[index]
         query_heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[-1]
@@ -232,13 +237,18 @@ def measure(job: dict) -> dict:
                 line = torch.zeros(len(keys), dtype=torch.bool)
                 line[prompt.key_position - sinks:prompt.key_end - sinks] = True
                 line_mass = p[line].sum()
-                entry = {"layer": index, "head": head, "key_line_share": line_mass.item(), "rules": {}}
-                for rule in job["rules"]:
-                    chosen = chosen_keys(rule, query, keys, centre, centroids, generator, block_size, job["recent"])
-                    entry["rules"][rule] = {"key_line_held": (p[chosen & line].sum() / line_mass).item(),
-                                            "far_held": p[chosen].sum().item(), "keys_read": int(chosen.sum())}
-                heads.append(entry)
-    return {"far_keys": last - window + 1 - sinks, "heads": heads, "first_answer_token": first}
+                far_heads += 1
+                # every rule draws its rotations, so a head left out of the row draws them too
+                chosen = {rule: chosen_keys(rule, query, keys, centre, centroids, generator, block_size,
+                                            job["recent"]) for rule in job["rules"]}
+                if line_mass < KEPT_SHARE:
+                    continue
+                heads.append({"layer": index, "head": head, "key_line_share": line_mass.item(), "rules": {
+                    rule: {"key_line_held": (p[keys_of & line].sum() / line_mass).item(),
+                           "far_held": p[keys_of].sum().item(), "keys_read": int(keys_of.sum())}
+                    for rule, keys_of in chosen.items()}})
+    return {"far_keys": last - window + 1 - sinks, "far_query_heads": far_heads, "heads": heads,
+            "first_answer_token": first}
 
 
 def summary(rows: list[dict], rules: list[str]) -> dict:
@@ -247,7 +257,9 @@ def summary(rows: list[dict], rules: list[str]) -> dict:
     out = {}
     for length in sorted({r["length"] for r in rows}):
         reading = [h for r in rows if r["length"] == length for h in r["heads"] if h["key_line_share"] >= READING]
-        entry = {"prompts": sum(r["length"] == length for r in rows), "reading_heads": len(reading), "rules": {}}
+        entry = {"prompts": sum(r["length"] == length for r in rows),
+                 "far_query_heads": sum(r["far_query_heads"] for r in rows if r["length"] == length),
+                 "reading_heads": len(reading), "rules": {}}
         for rule in rules:
             held = [h["rules"][rule] for h in reading if rule in h["rules"]]
             if held:
@@ -259,7 +271,7 @@ def summary(rows: list[dict], rules: list[str]) -> dict:
     return out
 
 
-validate = rows_report_check(LABEL, *KEY, "heads", "far_keys")
+validate = rows_report_check(LABEL, *KEY, "heads", "far_keys", "far_query_heads")
 
 
 def plot(report: dict, path: Path) -> None:

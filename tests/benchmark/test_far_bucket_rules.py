@@ -58,7 +58,8 @@ def test_each_rule_chooses_the_keys_it_says():
     assert same.tolist() == [False, False, True, True, True]
 
 
-def test_prompts_are_measured_once_and_every_share_is_of_the_exact_far_softmax(tmp_path, model_dir):
+def test_prompts_are_measured_once_and_every_share_is_of_the_exact_far_softmax(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setattr(bench, "KEPT_SHARE", 0.0)  # every head kept, whatever the tiny model looks at
     rules = ["blocks_2", "rotations_4x2", "centroids_8x2", "centroids_8x2_fixed", "centroids_8x8"]
     args = ["--model", str(model_dir), "--results", str(tmp_path / "fbr.json"), "--lengths", "300",
             "--depths", "0.25", "0.5", "--rules", *rules, "--recent", "1000", "--calibration_length", "64",
@@ -66,7 +67,7 @@ def test_prompts_are_measured_once_and_every_share_is_of_the_exact_far_softmax(t
     report = bench.main(args)
     assert [(r["length"], r["depth"], r["trial"]) for r in report["rows"]] == [(300, 0.25, 0), (300, 0.5, 0)]
     for row in report["rows"]:
-        assert row["far_keys"] == 300 - 1 - 32 + 1 - 4 and len(row["heads"]) == 2 * 4
+        assert row["far_keys"] == 300 - 1 - 32 + 1 - 4 and row["far_query_heads"] == len(row["heads"]) == 2 * 4
         for head in row["heads"]:
             assert 0 <= head["key_line_share"] <= 1 and set(head["rules"]) == set(rules)
             # probing all 8 buckets with room for every key reads every far key
@@ -78,7 +79,7 @@ def test_prompts_are_measured_once_and_every_share_is_of_the_exact_far_softmax(t
                 assert 0 <= held["key_line_held"] <= 1 + 1e-6 and held["far_held"] <= 1 + 1e-5
     reading = [h for r in report["rows"] for h in r["heads"] if h["key_line_share"] >= 0.5]
     entry = report["summary"]["300"]
-    assert entry["reading_heads"] == len(reading) and entry["prompts"] == 2
+    assert entry["reading_heads"] == len(reading) and entry["prompts"] == 2 and entry["far_query_heads"] == 16
     if reading:
         assert entry["rules"]["centroids_8x8"]["heads_holding_half"] == len(reading)
     assert (tmp_path / "fbr.png").stat().st_size > 0
@@ -91,13 +92,28 @@ def test_the_summary_counts_the_heads_that_read_the_key_line():
     def head(share, held, read):
         return {"key_line_share": share, "rules": {"r": {"key_line_held": held, "far_held": held, "keys_read": read}}}
 
-    rows = [{"length": 8, "heads": [head(0.9, 1.0, 10), head(0.2, 0.0, 99)]},
-            {"length": 8, "heads": [head(0.5, 0.4, 30), head(0.7, 0.6, 20)]},
-            {"length": 16, "heads": [head(0.1, 1.0, 5)]}]
+    rows = [{"length": 8, "far_query_heads": 5, "heads": [head(0.9, 1.0, 10), head(0.2, 0.0, 99)]},
+            {"length": 8, "far_query_heads": 5, "heads": [head(0.5, 0.4, 30), head(0.7, 0.6, 20)]},
+            {"length": 16, "far_query_heads": 5, "heads": [head(0.1, 1.0, 5)]}]
     summary = bench.summary(rows, ["r"])
-    assert summary["8"] == {"prompts": 2, "reading_heads": 3, "rules": {"r": {
+    assert summary["8"] == {"prompts": 2, "far_query_heads": 10, "reading_heads": 3, "rules": {"r": {
         "key_line_held_mean": pytest.approx(2.0 / 3), "heads_holding_half": 2, "keys_read_median": 20}}}
-    assert summary["16"] == {"prompts": 1, "reading_heads": 0, "rules": {}}
+    assert summary["16"] == {"prompts": 1, "far_query_heads": 5, "reading_heads": 0, "rules": {}}
+
+
+def test_a_row_keeps_the_heads_that_look_at_the_key_line(tmp_path, model_dir, monkeypatch):
+    """With the threshold at 0 every far query head is in the row; with it raised, exactly those whose key-line share
+    reaches it, with the same figures (every head draws its rotations either way)."""
+    args = ["--model", str(model_dir), "--lengths", "300", "--depths", "0.5", "--rules", "rotations_4x2",
+            "centroids_8x2", "--calibration_length", "64", "--threads", "1"]
+    monkeypatch.setattr(bench, "KEPT_SHARE", 0.0)
+    (every,) = bench.main([*args, "--results", str(tmp_path / "all.json")])["rows"]
+    shares = sorted(h["key_line_share"] for h in every["heads"])
+    monkeypatch.setattr(bench, "KEPT_SHARE", shares[len(shares) // 2])
+    (some,) = bench.main([*args, "--results", str(tmp_path / "some.json")])["rows"]
+    assert some["far_query_heads"] == every["far_query_heads"] == len(every["heads"])
+    assert some["heads"] == [h for h in every["heads"] if h["key_line_share"] >= shares[len(shares) // 2]]
+    assert 0 < len(some["heads"]) < len(every["heads"])
 
 
 def test_a_report_from_before_the_filler_option_is_continued_and_another_filler_goes_beside(tmp_path, model_dir):

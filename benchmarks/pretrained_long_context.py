@@ -60,6 +60,12 @@ Designs (each a named conversion of the source, converted once into --models_dir
   keys of it after the key (about distance / buckets; K = 512 with 64 buckets reaches about 32K tokens back). A query
   scores rounds x (K + 32) keys: 8 x 544 here, 8.5x block retrieval's 512 far keys. On SmolLM2 at 4K, 256 buckets,
   16 rounds and K = 128 (0.6x the scores) found 1 pass key of 3 where these settings found 2.
+- `lsh_heads_centroids`: the same heads and centres, with buckets learned from the same calibration text instead of
+  random rotations (`lsh_key_centroids`): --centroid_buckets k-means centroids per key-value head, a key in the
+  bucket of its nearest centroid, a query probing the --centroid_probes centroids it scores highest and reading the
+  K = --centroid_chunks_before x --lsh_chunk_length most recent keys of each (`benchmarks/far_bucket_rules.py`
+  measured content buckets against rotations on the model's own keys). 16 x (256 + 32) scores a query by default,
+  about lsh_heads_centred's 8 x 544.
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -147,7 +153,7 @@ SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_fixed_wide",
                 "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
-                "lsh_heads_centred")
+                "lsh_heads_centred", "lsh_heads_centroids")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -222,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--far_position_group", type=int, default=8, help="G of lsh_grouped (reads about G (N - W))")
     p.add_argument("--centred_buckets", type=int, default=64, help="LSH buckets per round of lsh_heads_centred")
     p.add_argument("--centred_hashes", type=int, default=8, help="LSH hash rounds of lsh_heads_centred")
+    p.add_argument("--centroid_buckets", type=int, default=256,
+                   help="learned buckets (k-means centroids per key-value head) of lsh_heads_centroids")
+    p.add_argument("--centroid_probes", type=int, default=16,
+                   help="buckets a query of lsh_heads_centroids probes (its rounds)")
+    p.add_argument("--centroid_chunks_before", type=int, default=4,
+                   help="lsh_num_chunks_before of lsh_heads_centroids: a query reads the K = this x "
+                        "--lsh_chunk_length most recent keys of each bucket it probes")
     p.add_argument("--centred_chunks_before", type=int, default=8,
                    help="lsh_num_chunks_before of lsh_heads_centred: a query reads the K = this x --lsh_chunk_length "
                         "most recent keys of its bucket in each round")
@@ -268,7 +281,8 @@ def check_arguments(args) -> None:
                 "wide_block_topk", "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads",
                 "attribution_prompts", "attribution_steps", "calibration_length", "calibration_prompts",
                 "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "centred_hashes",
-                "centred_chunks_before", "threads", "ruler_samples", "ruler_long_samples", "ruler_batch")
+                "centred_chunks_before", "centroid_probes", "centroid_chunks_before", "threads", "ruler_samples",
+                "ruler_long_samples", "ruler_batch")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
@@ -276,6 +290,13 @@ def check_arguments(args) -> None:
         raise BadArgument(f"--calibration_distance={args.calibration_distance}: give a positive number of tokens.")
     if args.centred_buckets < 2 or args.centred_buckets % 2:
         raise BadArgument(f"--centred_buckets={args.centred_buckets}: give an even number of buckets, at least 2.")
+    if not 2 <= args.centroid_buckets <= args.calibration_length or args.centroid_buckets % 2:
+        raise BadArgument(f"--centroid_buckets={args.centroid_buckets}: give an even number of centroids, at least 2 "
+                          f"and at most --calibration_length={args.calibration_length} (k-means fits them to that "
+                          "many calibration keys).")
+    if args.centroid_probes > args.centroid_buckets:
+        raise BadArgument(f"--centroid_probes={args.centroid_probes}: a query probes at most the "
+                          f"--centroid_buckets={args.centroid_buckets} buckets there are.")
     if args.block_size % args.block_query_size:
         raise BadArgument(f"--block_query_size={args.block_query_size}: give a divisor of --block_size="
                           f"{args.block_size} (query blocks tile the far-key blocks).")
@@ -387,6 +408,15 @@ def design_specs(args) -> dict[str, dict]:
                               "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads,
                                                    "far_kind": "lsh_window"},
                               "key_centres": {"length": args.calibration_length}},
+        # the same heads and centres, with buckets learned from the calibration text (k-means centroids)
+        "lsh_heads_centroids": {"family": "hybrid",
+                                "model": {**window, **lsh_settings, "lsh_centre_keys": True,
+                                          "lsh_key_centroids": True, "lsh_num_buckets": args.centroid_buckets,
+                                          "lsh_num_hashes": args.centroid_probes,
+                                          "lsh_num_chunks_before": args.centroid_chunks_before},
+                                "retrieval_layers": {**attribution, "kv_heads": args.attributed_kv_heads,
+                                                     "far_kind": "lsh_window"},
+                                "key_centres": {"length": args.calibration_length, "centroids": True}},
     }
 
 
@@ -454,7 +484,8 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
                   flush=True)
             model = convert(source, spec["family"], model_settings)
             if "key_centres" in spec:
-                centring = centre_keys(model, load_text_tokenizer(source_dir), spec["key_centres"]["length"])
+                centring = centre_keys(model, load_text_tokenizer(source_dir), spec["key_centres"]["length"],
+                                       spec["key_centres"].get("centroids", False))
                 calibration = {**(calibration or {}), "key_centres": centring}
             save_converted(model, target, [load_text_tokenizer(source_dir)], converter="attnzoo.convert.llama",
                            src=source_dir, family=spec["family"])
@@ -465,21 +496,26 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
     return {name: folders[name] for name in designs}
 
 
-def centre_keys(model, tokenizer, length: int) -> dict:
+def centre_keys(model, tokenizer, length: int, centroids: bool = False) -> dict:
     """Set the LSH far parts' key centres of a conversion (attnzoo.convert.lsh_key_centres) from the last `length`
-    tokens of the default corpus (the far end from the loss document's start); returns what was done: the tokens, the
-    seconds, and each layer's centre norm per key-value head."""
+    tokens of the default corpus (the far end from the loss document's start), and with `centroids` then their
+    learned buckets' centroids from the same tokens; returns what was done: the tokens, the seconds, and each
+    layer's centre norm per key-value head (with centroids, also their median norm per key-value head)."""
     import torch
 
-    from attnzoo.convert.lsh_key_centres import centre_lsh_keys
+    from attnzoo.convert.lsh_key_centres import centre_lsh_keys, fit_lsh_key_centroids
     from attnzoo.corpus import default_corpus_text
 
     started = time.perf_counter()
     text = default_corpus_text()
-    ids = list(tokenizer(text[-8 * length:], add_special_tokens=False)["input_ids"])[-length:]
-    centres = centre_lsh_keys(model, torch.tensor([ids]))
-    return {"tokens": len(ids), "seconds": time.perf_counter() - started,
-            "centre_norms": {str(i): c.norm(dim=-1).tolist() for i, c in centres.items()}}
+    ids = torch.tensor([list(tokenizer(text[-8 * length:], add_special_tokens=False)["input_ids"])[-length:]])
+    centres = centre_lsh_keys(model, ids)
+    done = {"tokens": ids.shape[1], "centre_norms": {str(i): c.norm(dim=-1).tolist() for i, c in centres.items()}}
+    if centroids:
+        fitted = fit_lsh_key_centroids(model, ids)
+        done["centroid_norms_median"] = {str(i): c.norm(dim=-1).median(-1).values.tolist()
+                                         for i, c in fitted.items()}
+    return {**done, "seconds": time.perf_counter() - started}
 
 
 #: the settings of a calibrated design that choose among the scores, not what they are

@@ -60,6 +60,13 @@ class ZooReformerSettings(ZooConfig):
             share a query's bucket. A pretrained model's keys share a large common direction that its queries do
             not, so uncentred angular hashing puts the keys in a few buckets and the queries in others
             (docs/lsh_attention.md, "Centred keys").
+        lsh_key_centroids: with centred keys (`lsh_centre_keys`), bucket by content learned from a calibration text
+            instead of by random rotations: `lsh_num_buckets` centroids per key-value head (the layer's buffer
+            `lsh_key_centroids`, zero until fitted, e.g. by k-means on a calibration text's centred keys with
+            `attnzoo.convert.lsh_key_centres.fit_lsh_key_centroids`); a key's bucket is its nearest centroid, the
+            same in every round, and a query's bucket in round r is the centroid it scores r-th highest (q·c), so
+            `lsh_num_hashes` is the number of buckets a query probes. Scores are unchanged; what changes is which
+            keys are candidates (docs/lsh_attention.md, "Learned buckets").
         lsh_group_rotations: with separate queries and keys, the query heads that share a key-value head hash with
             one set of rotations (their group's), so each key is hashed once per round for its group rather than
             once per query head: a grouped-query model (SmolLM2's 3 query heads a key head) hashes a third as many
@@ -86,6 +93,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_duplicate_correction: bool = True
     lsh_shared_qk: bool = True
     lsh_centre_keys: bool = False
+    lsh_key_centroids: bool = False
     lsh_group_rotations: bool = False
     lsh_attention_probs_dropout_prob: float | None = None
 
@@ -131,6 +139,18 @@ class ZooReformerSettings(ZooConfig):
         if self.lsh_centre_keys and self.lsh_shared_qk:
             fail("lsh_centre_keys", self.lsh_centre_keys, "shared-QK keys are the normalised queries, hashed as the "
                                                           "queries are; set lsh_shared_qk=False to centre keys apart.")
+        check_choice(self, "lsh_key_centroids", (True, False))
+        if self.lsh_key_centroids:
+            if not self.lsh_centre_keys:
+                fail("lsh_key_centroids", self.lsh_key_centroids, "centroids are fitted to centred keys; set "
+                                                                  "lsh_centre_keys=True (and lsh_shared_qk=False).")
+            if not isinstance(buckets, int) or isinstance(buckets, bool):
+                fail("lsh_num_buckets", buckets, "with lsh_key_centroids it is the number of centroids: set one "
+                                                 "integer, not factors or None.")
+            probes = max(self.lsh_num_hashes, self.lsh_num_hashes_eval or 0)
+            if probes > buckets:
+                fail("lsh_num_hashes", probes, f"with lsh_key_centroids a query probes that many of the {buckets} "
+                                               "buckets; set at most lsh_num_buckets (and lsh_num_hashes_eval).")
         check_choice(self, "lsh_group_rotations", (True, False))
         if self.lsh_group_rotations and self.lsh_shared_qk:
             fail("lsh_group_rotations", self.lsh_group_rotations, "shared-QK keys are the queries themselves, one per "

@@ -92,9 +92,10 @@ class ZooPreTrainedModel(GenerationHooks, PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ZooBlock"]
-    # LSH key centres (`lsh_centre_keys`) are zero until calibrated (attnzoo.convert.lsh_key_centres), the centring
-    # of a checkpoint loaded with that setting turned on: not a weight missing from it
-    _keys_to_ignore_on_load_missing = [r"\.lsh_key_centre$"]
+    # LSH key centres (`lsh_centre_keys`) and centroids (`lsh_key_centroids`) are zero until calibrated
+    # (attnzoo.convert.lsh_key_centres), the calibration of a checkpoint loaded with that setting turned on: not a
+    # weight missing from it
+    _keys_to_ignore_on_load_missing = [r"\.lsh_key_centre$", r"\.lsh_key_centroids$"]
 
     @torch.no_grad()
     def _init_weights(self, module):

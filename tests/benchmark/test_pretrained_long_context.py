@@ -23,7 +23,8 @@ SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "1", "--wi
          "--fillers", "repeat", "--depths", "0.5", "--trials", "1", "--retrieval_top", "1",
          "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
          "--attributed_top", "1", "--attributed_kv_heads", "1", "--attribution_prompts", "1", "--attribution_steps",
-         "2", "--centred_buckets", "4", "--centred_hashes", "3", "--centred_chunks_before", "2"]
+         "2", "--centred_buckets", "4", "--centred_hashes", "3", "--centred_chunks_before", "2",
+         "--centroid_buckets", "6", "--centroid_probes", "2", "--centroid_chunks_before", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,18 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     centre = AutoModelForCausalLM.from_pretrained(folder).model.transformer.blocks[0].attn.lsh_key_centre
     assert centre.shape == (1, 8) and centre.norm(dim=-1).tolist() == pytest.approx(
         centred["key_centres"]["centre_norms"]["0"]) and centre.abs().sum() > 0
+    # lsh_heads_centroids: the same heads and centres, and k-means centroids fitted to the same tokens' keys
+    learned = json.loads(next((tmp_path / "models").glob("lsh_heads_centroids-*/calibration.json")).read_text())
+    assert learned["top_kv_heads"] == {"0": [best]} and learned["key_centres"]["tokens"] == 256
+    config = json.loads(next((tmp_path / "models").glob("lsh_heads_centroids-*/config.json")).read_text())
+    assert config["far_kv_heads"] == [[best]] and config["lsh_key_centroids"] is True
+    assert (config["lsh_num_buckets"], config["lsh_num_hashes"], config["lsh_num_chunks_before"]) == (6, 2, 2)
+    attn = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_centroids-*"))
+                                                ).model.transformer.blocks[0].attn
+    assert attn.lsh_key_centroids.shape == (1, 6, 8) and attn.lsh_key_centroids.abs().sum() > 0
+    assert attn.lsh_key_centroids.norm(dim=-1).median(-1).values.tolist() == pytest.approx(
+        learned["key_centres"]["centroid_norms_median"]["0"])
+    torch.testing.assert_close(attn.lsh_key_centre, centre)  # the centres lsh_heads_centred has
     # the part of the positive attribution each keeps its far part in: every head of the one layer, or the best head
     positive = [max(score, 0.0) for score in heads["kv_head_scores"][0]]
     assert saved["calibration"]["block_attributed"]["positive_share"] == 1.0
@@ -152,7 +165,7 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
                                                  "block_fixed_wide", "block_heads", "block_wide_quantised",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
-                                                 "window"]
+                                                 "lsh_heads_centroids", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}
@@ -202,7 +215,10 @@ def test_the_rope_designs_run_only_past_the_training_length_and_missing_cells_ar
                                          ("--sink_positions", "middle"), ("--block_query_size", "5"),
                                          ("--centred_buckets", "5"), ("--centred_hashes", "0"),
                                          ("--wide_block_topk", "0"), ("--quantised_key_bits", "2"),
-                                         ("--quantised_value_bits", "16"), ("--ruler_batch", "0"), ("--device", "tpu"),
+                                         ("--quantised_value_bits", "16"), ("--ruler_batch", "0"),
+                                         ("--centroid_buckets", "7"), ("--centroid_buckets", "5000"),
+                                         ("--centroid_probes", "0"),
+                                         ("--centroid_probes", "300"), ("--device", "tpu"),
                                          ("--device", "cuda:x"), ("--device", "cuda:")])
 def test_bad_arguments_name_the_argument(tmp_path, source, flag, value):
     with pytest.raises(ValueError, match=flag):

@@ -77,6 +77,8 @@ SORTED_BLOCK = 32
 #: scores and masks (about 25 MB in float32) stay in the CPU's caches between the passes over them: 2^20 took 0.75x
 #: the time of 2^24 (300 MB a group) for a SmolLM2-shaped layer at 32K tokens on 2 cores, 2^18 and 2^19 no less.
 FAR_BLOCK_PAIRS = 1 << 20
+#: (query, centroid) scores learned buckets compute at once: 2^24 floats, 64 MB
+CENTROID_SCORES = 1 << 24
 #: the bound off the CPU: a GPU has no such cache to fit and pays a few dozen kernel launches a group (the CPU's bound
 #: before, about 300 MB of scores and masks a group in float32)
 FAR_BLOCK_PAIRS_OFF_CPU = 1 << 24
@@ -122,17 +124,29 @@ class LSHFarPart(LSHBuckets, FarPart):
         self.dropout = config.attention_probs_dropout_prob if dropout is None else dropout
         self.read_lsh_settings(config)
         self.centre_keys = config.lsh_centre_keys
+        #: learned buckets: keys by their nearest centroid, queries by the centroids they score highest
+        self.key_centroids = config.lsh_key_centroids
         #: with `lsh_group_rotations`, a key-value group's query heads hash with the rotations of its first query
-        #: head, so keys are hashed once per key-value head
-        self.group = self.num_heads // self.num_kv_heads if config.lsh_group_rotations else 1
+        #: head, so keys are hashed once per key-value head (learned buckets: a key's bucket is its head's, whatever
+        #: the query head)
+        grouped = config.lsh_group_rotations or self.key_centroids
+        self.group = self.num_heads // self.num_kv_heads if grouped else 1
         if self.centre_keys:  # one centre per key-value head of this far part (zero until calibrated)
             layer.register_buffer("lsh_key_centre", torch.zeros(self.num_kv_heads, self.head_dim), persistent=True)
+        if self.key_centroids:  # lsh_num_buckets centroids per key-value head (zero until fitted)
+            layer.register_buffer("lsh_key_centroids", torch.zeros(self.num_kv_heads, config.lsh_num_buckets,
+                                                                   self.head_dim), persistent=True)
         #: while not None, `_hash_keys` adds [kv_heads, d] key sums and their count here (`lsh_key_centres`)
         self.key_record: list | None = None
+        #: while not None, `_hash_keys` adds each row's real keys as hashed, [kv_heads, n, d], here
+        #: (`fit_lsh_key_centroids`)
+        self.key_capture: list | None = None
 
     def init_buffers(self) -> None:
         if self.centre_keys:
             init.zeros_(self.layer.lsh_key_centre)
+        if self.key_centroids:
+            init.zeros_(self.layer.lsh_key_centroids)
 
     @property
     def dropout_rate(self) -> float:
@@ -169,12 +183,39 @@ class LSHFarPart(LSHBuckets, FarPart):
         if self.key_record is not None:
             real = k.new_ones(k.shape[0], k.shape[2]) if valid is None else valid.to(k.dtype)
             self.key_record.append((torch.einsum("bhld,bl->hd", k.detach(), real), real.sum()))
-        return k - self.layer.lsh_key_centre[:, None, :].to(k.dtype) if self.centre_keys else k
+        hashed = k - self.layer.lsh_key_centre[:, None, :].to(k.dtype) if self.centre_keys else k
+        if self.key_capture is not None:
+            rows = range(k.shape[0])
+            self.key_capture.extend(hashed[b].detach() if valid is None else hashed[b][:, valid[b]].detach()
+                                    for b in rows)
+        return hashed
+
+    def _centroid_buckets(self, q, k, valid):
+        """Learned buckets (`lsh_key_centroids`): ([B, H, R, L] each query's R best-scoring centroids, q·c in
+        descending order, [B, kv_heads, R, L] each key's nearest centroid after its head's centre, repeated over
+        the R rounds); padding (valid False) in the extra bucket. Scored in float32 in blocks of queries, so the
+        [.., L, centroids] scores stay small at long lengths."""
+        centroids = self.layer.lsh_key_centroids.float()  # [kv, C, d]
+        count, rounds = centroids.shape[1], self.num_hashes
+        keys = self._keys_to_hash(k, valid).float()
+        # nearest by |k - c|^2 = |k|^2 - 2 k·c + |c|^2: the argmax of 2 k·c - |c|^2
+        key_scores = 2 * keys @ centroids.transpose(-1, -2) - (centroids * centroids).sum(-1)[:, None, :]
+        key_buckets = key_scores.argmax(-1)[:, :, None, :].expand(-1, -1, rounds, -1)  # [B, kv, R, L]
+        per_query_head = centroids.repeat_interleave(self.group, dim=0).transpose(-1, -2)  # [H, d, C]
+        block = max(1, CENTROID_SCORES // (q.shape[0] * q.shape[1] * count))
+        query_buckets = torch.cat([(part.float() @ per_query_head).topk(rounds, dim=-1).indices
+                                   for part in q.split(block, dim=2)], dim=2).transpose(2, 3)  # [B, H, R, L]
+        if valid is not None:
+            key_buckets = key_buckets.masked_fill(~valid[:, None, None, :], count)
+            query_buckets = query_buckets.masked_fill(~valid[:, None, None, :], count)
+        return query_buckets, key_buckets
 
     def _hash_token(self, q, k, rotations, factors):
         """(query buckets [B, H, R, 1], key buckets [B, H_k, R, 1]) of one new token, its query q [B, H, 1, d] and
         key k [B, kv_heads, 1, d] hashed in one product (a decoding step is many small operations: one hashing
-        instead of two)."""
+        instead of two); with learned buckets, by the centroids."""
+        if self.key_centroids:
+            return self._centroid_buckets(q, k, None)
         if self.shared_qk:
             buckets = hash_buckets(q, rotations, factors)
             return buckets, buckets
@@ -202,6 +243,11 @@ class LSHFarPart(LSHBuckets, FarPart):
         """(query buckets [B, H, R, L], key buckets [B, H_k, R, L] (`_hash_keys`; shared QK: the query buckets),
         rotations or None) of this forward: hashed with new rotations
         (and saved for a reversible stack's recomputation, which reuses them), or the saved ones when replaying."""
+        if self.key_centroids:  # a function of q and k alone: a replay computes the same buckets again
+            query_buckets, key_buckets = self._centroid_buckets(q, k, valid)
+            if recompute is not None and not recompute.replaying:  # (what the reference reads when it replays)
+                recompute.saved.update(buckets=query_buckets, key_buckets=key_buckets)
+            return query_buckets, key_buckets, None
         factors = self.bucket_factors()
         if recompute is not None and recompute.replaying:
             buckets = recompute.saved["buckets"]
@@ -431,7 +477,7 @@ class LSHFarPart(LSHBuckets, FarPart):
                      lsh_new_buckets=buckets.new_zeros(batch, heads * rounds, 0, dtype=self.bucket_index_dtype()),
                      lsh_new_positions=buckets.new_zeros(batch, 1, 0, dtype=torch.int32),
                      lsh_keys=with_spare_tokens(k[:, :, :gone]), lsh_values=with_spare_tokens(v[:, :, :gone]))
-        if not self.rotations_recomputable():
+        if rotations is not None and not self.rotations_recomputable():  # (learned buckets draw none)
             state["lsh_rotations"] = rotations
         return state
 
@@ -470,7 +516,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         batch, heads, _, dim = q.shape
         factors = self.bucket_factors()
         rotations = stored.get("lsh_rotations")
-        if rotations is None:
+        if rotations is None and not self.key_centroids:
             rotations = self.draw_rotations(batch, self.num_hashes, factors, q.device)
         not_real = ~real[:, None, None, None]
         query_buckets, key_buckets = (buckets.masked_fill(not_real, math.prod(factors))

@@ -1,0 +1,204 @@
+"""Learned buckets for separate-QK LSH (`lsh_key_centroids`, attnzoo.convert.lsh_key_centres.fit_lsh_key_centroids):
+a key falls in the bucket of its nearest centroid (after its head's centre) in every round and a query probes the
+centroids it scores highest, one a round; with them the fast path equals the dense reference (values and gradients),
+decoding equals the full forward, the centroids save and load, and the calibration sets them to k-means centroids of
+the keys the far part hashes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnzoo.convert.lsh_key_centres import (
+    centre_lsh_keys,
+    centroid_lsh_parts,
+    fit_lsh_key_centroids,
+    kmeans,
+)
+from attnzoo.modeling.attention import build_attention
+from attnzoo.modeling.attention.lsh_window import LSHFarPart
+from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
+from tests.attention.test_far_positions import assert_decoding_equals_the_full_forward
+from tests.attention.test_lsh_key_centres import config as centred_config
+from tests.attention.test_lsh_window import check_against_the_dense_reference
+
+
+def config(**overrides):
+    return centred_config(**{"lsh_key_centroids": True, "lsh_num_buckets": 6, "lsh_num_hashes": 2, **overrides})
+
+
+def with_random_calibration(model_or_layer, seed=1):
+    """Random centres and centroids (a calibration's stand-in)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model_or_layer.named_buffers():
+            if name.endswith(("lsh_key_centre", "lsh_key_centroids")):
+                buffer.copy_(torch.randn(buffer.shape, generator=g, dtype=buffer.dtype))
+    return model_or_layer
+
+
+def test_keys_fall_in_their_nearest_centroids_bucket_and_queries_probe_their_best_centroids():
+    torch.manual_seed(0)
+    attn = with_random_calibration(build_attention("lsh_window", config(lsh_num_hashes=3), 0, True).eval())
+    part = attn.far
+    q, k = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 6:] = False
+    query_buckets, key_buckets = part._centroid_buckets(q, k, valid)
+    assert query_buckets.shape == (2, 4, 3, 9) and key_buckets.shape == (2, 2, 3, 9)
+    centroids, centre = attn.lsh_key_centroids, attn.lsh_key_centre
+    for b in range(2):
+        for position in range(9):
+            if not valid[b, position]:
+                assert (query_buckets[b, :, :, position] == 6).all() and (key_buckets[b, :, :, position] == 6).all()
+                continue
+            for kv in range(2):
+                nearest = ((k[b, kv, position] - centre[kv]) - centroids[kv]).norm(dim=-1).argmin()
+                assert (key_buckets[b, kv, :, position] == nearest).all()  # the same bucket every round
+            for head in range(4):  # query heads 0, 1 share key-value head 0's centroids; 2, 3 head 1's
+                ranked = (centroids[head // 2] @ q[b, head, position]).argsort(descending=True)
+                assert query_buckets[b, head, :, position].tolist() == ranked[:3].tolist()
+    # a new token alone gets the buckets it gets in the whole sequence
+    token_q, token_k = part._hash_token(q[:, :, 4:5], k[:, :, 4:5], None, part.bucket_factors())
+    torch.testing.assert_close(token_q, query_buckets[..., 4:5], rtol=0, atol=0)
+    torch.testing.assert_close(token_k, key_buckets[..., 4:5], rtol=0, atol=0)
+
+
+def test_a_query_reads_the_far_keys_of_its_content():
+    """Keys of two contents along e0 and e1, interleaved; centroids on the two: a query along e0 probing one bucket
+    has the e0 keys as its far candidates and none of the e1 keys (the dense reference's far mask)."""
+    attn = build_attention("lsh_window", config(lsh_num_buckets=2, lsh_num_hashes=1, lsh_num_chunks_before=8,
+                                               window_size=2, num_sink_tokens=0), 0, True).double().eval()
+    part = attn.far
+    with torch.no_grad():
+        attn.lsh_key_centroids.zero_()
+        attn.lsh_key_centroids[:, 0, 0] = 1.0
+        attn.lsh_key_centroids[:, 1, 1] = 1.0
+    k = torch.zeros(1, 2, 12, 8, dtype=torch.float64)
+    k[..., 0::2, 0], k[..., 1::2, 1] = 1.0, 1.0
+    q = torch.zeros(1, 4, 12, 8, dtype=torch.float64)
+    q[..., 0] = 1.0
+    query_buckets, key_buckets = part._centroid_buckets(q, k, None)
+    assert (query_buckets == 0).all() and key_buckets[0, 0, 0].tolist() == [0, 1] * 6
+
+
+@pytest.mark.parametrize("window, sinks, probes", [(4, 2, 2), (1, 0, 1), (15, 4, 6)])
+def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, sinks, probes):
+    torch.manual_seed(0)
+    attn = with_random_calibration(build_attention(
+        "lsh_window", config(window_size=window, num_sink_tokens=sinks, lsh_num_hashes=probes), 0, True
+    ).double().eval())
+    assert attn.lsh_key_centroids.abs().min() > 0
+    check_against_the_dense_reference(attn)
+
+
+@pytest.mark.parametrize("far_kv_heads", [None, [[1]]])
+def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads):
+    torch.manual_seed(0)
+    model = with_random_calibration(AutoModelForCausalLM.from_config(config(far_kv_heads=far_kv_heads)).double()
+                                    .eval())
+    centroids = [b for n, b in model.named_buffers() if n.endswith("lsh_key_centroids")]
+    assert len(centroids) == 2 and all(c.shape == (2 if far_kv_heads is None else 1, 6, 8) for c in centroids)
+    torch.manual_seed(1)
+    cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
+    assert not any("lsh_rotations" in layer.state for layer in cache.layers)  # learned buckets draw none
+
+
+def test_the_centroids_save_load_and_generate_like_the_full_forward(tmp_path):
+    torch.manual_seed(0)
+    model = with_random_calibration(AutoModelForCausalLM.from_config(config()).eval())
+    loaded = saved_loaded_and_generating_like_the_full_forward(model, tmp_path, 37, new_tokens=12)
+    assert loaded.config.lsh_key_centroids is True
+    for (name, saved), (_, got) in zip(model.named_buffers(), loaded.named_buffers(), strict=True):
+        torch.testing.assert_close(got, saved, rtol=0, atol=0, msg=name)
+
+
+def test_kmeans_starts_from_evenly_spaced_points_and_separates_clear_groups():
+    points = torch.cat([torch.randn(30, 2, generator=torch.Generator().manual_seed(0)) * 0.1 + c
+                        for c in (torch.tensor([5.0, 0.0]), torch.tensor([-5.0, 0.0]), torch.tensor([0.0, 5.0]))])
+    start = kmeans(points, 3, iterations=0)
+    torch.testing.assert_close(start, points[[0, 44, 89]], rtol=0, atol=0)  # round(linspace(0, 89, 3))
+    fitted = kmeans(points, 3)
+    for group in range(3):
+        torch.testing.assert_close(fitted[group], points[30 * group:30 * (group + 1)].mean(0))
+
+
+def test_calibration_fits_the_centroids_to_the_real_keys_it_hashes_minus_their_centre(monkeypatch):
+    """Over a left-padded batch, after centre_lsh_keys: each far part's centroids are kmeans of the real keys it hashed
+    in the calibration's forward (the centroids at zero in it), minus its centre, per key-value head; the model is
+    left in its mode, and fitting twice gives the same centroids."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).double().train()
+    ids = torch.randint(1, 37, (2, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    centre_lsh_keys(model, ids, attention_mask=mask)
+    seen = {}
+    keys_to_hash = LSHFarPart._keys_to_hash
+
+    def watched(self, k, valid):
+        hashed = keys_to_hash(self, k, valid)
+        if self.key_capture is not None:
+            assert self.layer.lsh_key_centroids.abs().max() == 0
+            seen[self.layer_idx] = torch.cat([hashed[b][:, valid[b]] for b in range(k.shape[0])], dim=1)
+        return hashed
+
+    monkeypatch.setattr(LSHFarPart, "_keys_to_hash", watched)
+    fitted = fit_lsh_key_centroids(model, ids, attention_mask=mask)
+    assert model.training and sorted(fitted) == sorted(seen) == [0, 1]
+    for index, keys in seen.items():
+        assert keys.shape == (2, 20 + 14, 8)
+        expected = torch.stack([kmeans(head.float(), 6) for head in keys])
+        torch.testing.assert_close(fitted[index], expected)
+        torch.testing.assert_close(model.model.transformer.blocks[index].attn.lsh_key_centroids,
+                                   expected.double())
+    monkeypatch.setattr(LSHFarPart, "_keys_to_hash", keys_to_hash)
+    again = fit_lsh_key_centroids(model, ids, attention_mask=mask)
+    for index in fitted:
+        torch.testing.assert_close(again[index], fitted[index], rtol=0, atol=0)
+    assert all(part.key_capture is None for part in centroid_lsh_parts(model).values())
+
+
+def test_bad_settings_and_models_without_centroids_are_refused():
+    with pytest.raises(ValueError, match="lsh_key_centroids.*lsh_centre_keys=True"):
+        config(lsh_centre_keys=False)
+    with pytest.raises(ValueError, match="lsh_num_buckets"):
+        config(lsh_num_buckets=[2, 4])
+    with pytest.raises(ValueError, match="lsh_num_hashes"):
+        config(lsh_num_hashes=7)
+    with pytest.raises(ValueError, match="lsh_num_hashes"):
+        config(lsh_num_hashes_eval=8)
+    with pytest.raises(ValueError, match="lsh_key_centroids=True"):
+        fit_lsh_key_centroids(AutoModelForCausalLM.from_config(config(lsh_key_centroids=False)).eval(),
+                              torch.randint(1, 37, (1, 10)))
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    with pytest.raises(ValueError, match="fewer than the 6 centroids"):
+        fit_lsh_key_centroids(model, torch.randint(1, 37, (1, 5)))
+    with pytest.raises(ValueError, match="input_ids"):
+        fit_lsh_key_centroids(model, torch.randint(1, 37, (10,)))
+    with pytest.raises(ValueError, match="iterations"):
+        fit_lsh_key_centroids(model, torch.randint(1, 37, (1, 10)), iterations=-1)
+
+
+def test_a_checkpoint_without_centroids_loads_with_them_at_zero_and_reports_nothing_missing(tmp_path):
+    torch.manual_seed(0)
+    centred = AutoModelForCausalLM.from_config(centred_config()).eval()
+    centred.save_pretrained(tmp_path)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path, lsh_key_centroids=True, lsh_num_buckets=6,
+                                                       output_loading_info=True)
+    assert not info["missing_keys"]
+    assert [b.abs().max().item() for n, b in model.named_buffers() if n.endswith("lsh_key_centroids")] == [0.0, 0.0]
+
+
+def test_a_failed_fit_keeps_the_centroids_it_had():
+    torch.manual_seed(0)
+    model = with_random_calibration(AutoModelForCausalLM.from_config(config()).eval())
+    before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("lsh_key_centroids")}
+    with pytest.raises(ValueError):  # a mask of another length: the forward refuses it
+        fit_lsh_key_centroids(model, torch.randint(1, 37, (1, 12)), attention_mask=torch.ones(1, 12, 1,
+                                                                                            dtype=torch.long))
+    for name, buffer in model.named_buffers():
+        if name in before:
+            torch.testing.assert_close(buffer, before[name], rtol=0, atol=0)
+    assert all(part.key_capture is None for part in centroid_lsh_parts(model).values())

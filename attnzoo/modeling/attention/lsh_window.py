@@ -37,7 +37,9 @@ O((S + W + rounds · K) · head_dim + rounds · t) after t decoded tokens, whate
 keep their own projections and are hashed apart, and the far part scores each query's candidates in blocks of the
 keys' sorted order (docs/lsh_attention.md, §7; with `lsh_group_rotations` a key-value group's query heads share
 rotations, so each key is hashed once per group); with `lsh_centre_keys` each key is hashed minus its head's centre,
-a buffer of the layer (scores unchanged; "Centred keys" there).
+a buffer of the layer (scores unchanged; "Centred keys" there), and with `lsh_key_centroids` the buckets are learned:
+a key's is its nearest centroid (a buffer of the layer, k-means on a calibration text's centred keys), the same every
+round, and a query's in round r is the centroid it scores r-th highest ("Learned buckets" there).
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ class LSHFarPart(LSHBuckets, FarPart):
                                                                    self.head_dim), persistent=True)
         #: while not None, `_hash_keys` adds [kv_heads, d] key sums and their count here (`lsh_key_centres`)
         self.key_record: list | None = None
-        #: while not None, `_hash_keys` adds each row's real keys as hashed, [kv_heads, n, d], here
+        #: while not None, `_keys_to_hash` adds each row's real keys as hashed, [kv_heads, n, d], here
         #: (`fit_lsh_key_centroids`)
         self.key_capture: list | None = None
 
@@ -185,9 +187,8 @@ class LSHFarPart(LSHBuckets, FarPart):
             self.key_record.append((torch.einsum("bhld,bl->hd", k.detach(), real), real.sum()))
         hashed = k - self.layer.lsh_key_centre[:, None, :].to(k.dtype) if self.centre_keys else k
         if self.key_capture is not None:
-            rows = range(k.shape[0])
             self.key_capture.extend(hashed[b].detach() if valid is None else hashed[b][:, valid[b]].detach()
-                                    for b in rows)
+                                    for b in range(k.shape[0]))
         return hashed
 
     def _centroid_buckets(self, q, k, valid):

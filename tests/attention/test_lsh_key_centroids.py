@@ -65,9 +65,9 @@ def test_keys_fall_in_their_nearest_centroids_bucket_and_queries_probe_their_bes
     torch.testing.assert_close(token_k, key_buckets[..., 4:5], rtol=0, atol=0)
 
 
-def test_a_query_reads_the_far_keys_of_its_content():
+def test_a_query_probes_the_bucket_of_its_content():
     """Keys of two contents along e0 and e1, interleaved; centroids on the two: a query along e0 probing one bucket
-    has the e0 keys as its far candidates and none of the e1 keys (the dense reference's far mask)."""
+    probes the bucket that holds every e0 key and no e1 key."""
     attn = build_attention("lsh_window", config(lsh_num_buckets=2, lsh_num_hashes=1, lsh_num_chunks_before=8,
                                                window_size=2, num_sink_tokens=0), 0, True).double().eval()
     part = attn.far

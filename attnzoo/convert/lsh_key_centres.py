@@ -35,6 +35,13 @@ def centred_lsh_parts(model) -> dict[int, object]:
             if isinstance(getattr(m, "far", None), LSHFarPart) and m.far.centre_keys}
 
 
+def check_calibration_ids(input_ids: torch.Tensor) -> None:
+    """ValueError unless `input_ids` is [batch, length] with length > 0."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids of shape {list(input_ids.shape)}; pass [batch, length] token ids of a "
+                         "calibration text, length > 0.")
+
+
 @torch.no_grad()
 def centre_lsh_keys(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) \
         -> dict[int, torch.Tensor]:
@@ -47,9 +54,7 @@ def centre_lsh_keys(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError("the model has no LSH far part that centres its keys: centre_lsh_keys needs lsh_window (or "
                          "causal lsh) layers with lsh_shared_qk=False and lsh_centre_keys=True in its config; "
                          "convert or load it with those settings.")
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids of shape {list(input_ids.shape)}; pass [batch, length] token ids of a "
-                         "calibration text, length > 0.")
+    check_calibration_ids(input_ids)
     was_training = model.training
     previous = {index: part.layer.lsh_key_centre.clone() for index, part in parts.items()}
     model.eval()
@@ -107,9 +112,7 @@ def fit_lsh_key_centroids(model, input_ids: torch.Tensor, attention_mask: torch.
         raise ValueError("the model has no LSH far part with learned buckets: fit_lsh_key_centroids needs lsh_window "
                          "layers with lsh_shared_qk=False, lsh_centre_keys=True and lsh_key_centroids=True in its "
                          "config; convert or load it with those settings.")
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids of shape {list(input_ids.shape)}; pass [batch, length] token ids of a "
-                         "calibration text, length > 0.")
+    check_calibration_ids(input_ids)
     real = input_ids.numel() if attention_mask is None else int(attention_mask.sum())
     count = next(iter(parts.values())).layer.lsh_key_centroids.shape[1]
     if real < count:

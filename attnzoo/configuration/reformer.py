@@ -67,6 +67,13 @@ class ZooReformerSettings(ZooConfig):
             same in every round, and a query's bucket in round r is the centroid it scores r-th highest (q·c), so
             `lsh_num_hashes` is the number of buckets a query probes. Scores are unchanged; what changes is which
             keys are candidates (docs/lsh_attention.md, "Learned buckets").
+        lsh_member_mean_block: with learned buckets (`lsh_key_centroids`), rank the buckets a query probes by the
+            mean key of their members instead of by their centroids: a bucket's score is q·(μ + Σ k) / (1 + n) over
+            the n far keys it holds (centred, past the sinks), its centroid μ counting as one member, so an empty
+            bucket scores as its centroid. The sums are taken once per block of this many tokens: a query at
+            position i ranks by the far keys at positions up to ⌊i / P⌋·P - window_size, which decoding keeps as a
+            sum and a count per bucket (docs/lsh_attention.md, "Probing by the members' mean"). None: by the
+            centroids.
         lsh_group_rotations: with separate queries and keys, the query heads that share a key-value head hash with
             one set of rotations (their group's), so each key is hashed once per round for its group rather than
             once per query head: a grouped-query model (SmolLM2's 3 query heads a key head) hashes a third as many
@@ -94,6 +101,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_shared_qk: bool = True
     lsh_centre_keys: bool = False
     lsh_key_centroids: bool = False
+    lsh_member_mean_block: int | None = None
     lsh_group_rotations: bool = False
     lsh_attention_probs_dropout_prob: float | None = None
 
@@ -151,6 +159,11 @@ class ZooReformerSettings(ZooConfig):
             if probes > buckets:
                 fail("lsh_num_hashes", probes, f"with lsh_key_centroids a query probes that many of the {buckets} "
                                                "buckets; set at most lsh_num_buckets (and lsh_num_hashes_eval).")
+        check_int(self, "lsh_member_mean_block", 1, "set a positive number of tokens, or None to rank the buckets "
+                                                    "by their centroids.", optional=True)
+        if self.lsh_member_mean_block is not None and not self.lsh_key_centroids:
+            fail("lsh_member_mean_block", self.lsh_member_mean_block, "the members' mean ranks learned buckets; set "
+                                                                      "lsh_key_centroids=True, or None here.")
         check_choice(self, "lsh_group_rotations", (True, False))
         if self.lsh_group_rotations and self.lsh_shared_qk:
             fail("lsh_group_rotations", self.lsh_group_rotations, "shared-QK keys are the queries themselves, one per "

@@ -83,6 +83,35 @@ def test_a_query_probes_the_bucket_of_its_content():
     assert (query_buckets == 0).all() and key_buckets[0, 0, 0].tolist() == [0, 1] * 6
 
 
+def test_a_query_probes_the_bucket_whose_members_it_scores_highest_once_its_block_counts_them():
+    """Centroids e0 and e1; the keys alternate e0 (bucket 0) and e1 + 3 e2 (bucket 1, its members off the centroid);
+    the query e0 + e2 / 2 scores centroid 0 higher (1 against 0) but bucket 1's members higher (1.5 against 1).
+    With a window of 2 and blocks of 4, queries 0-3 count no key (every bucket its centroid: bucket 0), queries 4-7
+    count keys 0-2 (bucket 1's mean (e1 + (e1 + 3 e2)) / 2 scores 0.75: still bucket 0), queries 8-11 keys 0-6
+    (bucket 1's (e1 + 3 (e1 + 3 e2)) / 4 scores 1.125: bucket 1). By the centroids, every query probes bucket 0."""
+    attn = build_attention("lsh_window", config(lsh_num_buckets=2, lsh_num_hashes=1, lsh_num_chunks_before=8,
+                                               window_size=2, num_sink_tokens=0, lsh_member_mean_block=4),
+                           0, True).double().eval()
+    part = attn.far
+    with torch.no_grad():
+        attn.lsh_key_centroids.zero_()
+        attn.lsh_key_centroids[:, 0, 0] = 1.0
+        attn.lsh_key_centroids[:, 1, 1] = 1.0
+    k = torch.zeros(1, 2, 12, 8, dtype=torch.float64)
+    k[..., 0::2, 0] = 1.0
+    k[..., 1::2, 1], k[..., 1::2, 2] = 1.0, 3.0
+    q = torch.zeros(1, 4, 12, 8, dtype=torch.float64)
+    q[..., 0], q[..., 2] = 1.0, 0.5
+    query_buckets, key_buckets = part._centroid_buckets(q, k, None)
+    assert key_buckets[0, 0, 0].tolist() == [0, 1] * 6
+    assert (query_buckets[0, :, 0] == torch.tensor([0] * 8 + [1] * 4)).all()
+    positions = torch.arange(12)[None]
+    torch.testing.assert_close(part._reference_member_probes(q, k, torch.ones(1, 12, dtype=torch.bool), positions),
+                               query_buckets, rtol=0, atol=0)
+    part.member_mean_block = None
+    assert (part._centroid_buckets(q, k, None)[0] == 0).all()
+
+
 @pytest.mark.parametrize("window, sinks, probes", [(4, 2, 2), (1, 0, 1), (15, 4, 6)])
 def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, sinks, probes):
     torch.manual_seed(0)
@@ -93,16 +122,32 @@ def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, s
     check_against_the_dense_reference(attn)
 
 
-@pytest.mark.parametrize("far_kv_heads", [None, [[1]]])
-def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads):
+@pytest.mark.parametrize("window, sinks, probes, block", [(4, 2, 2, 3), (1, 0, 1, 1), (15, 4, 6, 5), (4, 2, 2, 64)])
+def test_the_fast_path_equals_the_dense_reference_probing_by_the_members_mean(window, sinks, probes, block):
     torch.manual_seed(0)
-    model = with_random_calibration(AutoModelForCausalLM.from_config(config(far_kv_heads=far_kv_heads)).double()
-                                    .eval())
+    attn = with_random_calibration(build_attention(
+        "lsh_window", config(window_size=window, num_sink_tokens=sinks, lsh_num_hashes=probes,
+                             lsh_member_mean_block=block), 0, True
+    ).double().eval())
+    check_against_the_dense_reference(attn)
+
+
+@pytest.mark.parametrize("far_kv_heads, block", [(None, None), ([[1]], None), (None, 4), ([[1]], 3)])
+def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads, block):
+    torch.manual_seed(0)
+    model = with_random_calibration(AutoModelForCausalLM.from_config(config(
+        far_kv_heads=far_kv_heads, lsh_member_mean_block=block)).double().eval())
     centroids = [b for n, b in model.named_buffers() if n.endswith("lsh_key_centroids")]
     assert len(centroids) == 2 and all(c.shape == (2 if far_kv_heads is None else 1, 6, 8) for c in centroids)
     torch.manual_seed(1)
     cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
-    assert not any("lsh_rotations" in layer.state for layer in cache.layers)  # learned buckets draw none
+    assert all("far.lsh_sorted" in layer.state for layer in cache.layers)
+    assert not any("far.lsh_rotations" in layer.state for layer in cache.layers)  # learned buckets draw none
+    for layer in cache.layers:  # the members' sums and counts: a bucket each, whatever the length
+        kept = {name: layer.state[f"far.lsh_{name}_sums"].shape for name in ("member", "pending")
+                if f"far.lsh_{name}_sums" in layer.state}
+        kv_heads = 2 if far_kv_heads is None else 1
+        assert kept == ({} if block is None else {"member": (2, kv_heads, 6, 8), "pending": (2, kv_heads, 6, 8)})
 
 
 def test_the_centroids_save_load_and_generate_like_the_full_forward(tmp_path):
@@ -169,6 +214,10 @@ def test_bad_settings_and_models_without_centroids_are_refused():
         config(lsh_num_hashes=7)
     with pytest.raises(ValueError, match="lsh_num_hashes"):
         config(lsh_num_hashes_eval=8)
+    with pytest.raises(ValueError, match="lsh_member_mean_block=0 .*positive number of tokens"):
+        config(lsh_member_mean_block=0)
+    with pytest.raises(ValueError, match="lsh_member_mean_block=8 .*lsh_key_centroids=True"):
+        config(lsh_key_centroids=False, lsh_member_mean_block=8)
     with pytest.raises(ValueError, match="lsh_key_centroids=True"):
         fit_lsh_key_centroids(AutoModelForCausalLM.from_config(config(lsh_key_centroids=False)).eval(),
                               torch.randint(1, 37, (1, 10)))

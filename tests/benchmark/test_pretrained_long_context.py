@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "1", "--wi
          "--calibration_length", "256", "--calibration_prompts", "2", "--calibration_distance", "4",
          "--attributed_top", "1", "--attributed_kv_heads", "1", "--attribution_prompts", "1", "--attribution_steps",
          "2", "--centred_buckets", "4", "--centred_hashes", "3", "--centred_chunks_before", "2",
-         "--centroid_buckets", "6", "--centroid_probes", "2", "--centroid_chunks_before", "2"]
+         "--centroid_buckets", "6", "--centroid_probes", "2", "--centroid_chunks_before", "2",
+         "--member_mean_block", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,16 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert attn.lsh_key_centroids.norm(dim=-1).median(-1).values.tolist() == pytest.approx(
         learned["key_centres"]["centroid_norms_median"]["0"])
     torch.testing.assert_close(attn.lsh_key_centre, centre)  # the centres lsh_heads_centred has
+    # lsh_heads_member_means: lsh_heads_centroids' model read with lsh_member_mean_block, its buffers as they were
+    means_folder = next((tmp_path / "models").glob("lsh_heads_member_means-*"))
+    read = json.loads((means_folder / "calibration.json").read_text())
+    assert Path(read["read_from"]).name.startswith("lsh_heads_centroids-") and read["top_kv_heads"] == {"0": [best]}
+    assert read["settings"] == {"lsh_member_mean_block": 64}
+    means_model = AutoModelForCausalLM.from_pretrained(means_folder)
+    assert means_model.config.lsh_member_mean_block == 64 and means_model.config.far_kv_heads == [[best]]
+    for got, kept in zip(means_model.state_dict().values(), AutoModelForCausalLM.from_pretrained(
+            next((tmp_path / "models").glob("lsh_heads_centroids-*"))).state_dict().values(), strict=True):
+        torch.testing.assert_close(got, kept, rtol=0, atol=0)
     # the part of the positive attribution each keeps its far part in: every head of the one layer, or the best head
     positive = [max(score, 0.0) for score in heads["kv_head_scores"][0]]
     assert saved["calibration"]["block_attributed"]["positive_share"] == 1.0
@@ -165,7 +177,7 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
                                                  "block_fixed_wide", "block_heads", "block_wide_quantised",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
-                                                 "lsh_heads_centroids", "window"]
+                                                 "lsh_heads_centroids", "lsh_heads_member_means", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}

@@ -39,7 +39,9 @@ keys' sorted order (docs/lsh_attention.md, §7; with `lsh_group_rotations` a key
 rotations, so each key is hashed once per group); with `lsh_centre_keys` each key is hashed minus its head's centre,
 a buffer of the layer (scores unchanged; "Centred keys" there), and with `lsh_key_centroids` the buckets are learned:
 a key's is its nearest centroid (a buffer of the layer, k-means on a calibration text's centred keys), the same every
-round, and a query's in round r is the centroid it scores r-th highest ("Learned buckets" there).
+round, and a query's in round r is the centroid it scores r-th highest ("Learned buckets" there), or with
+`lsh_member_mean_block` the bucket whose far members' mean key it scores r-th highest, the sums frozen once per block
+of that many tokens ("Probing by the members' mean" there).
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ class LSHFarPart(LSHBuckets, FarPart):
         self.centre_keys = config.lsh_centre_keys
         #: learned buckets: keys by their nearest centroid, queries by the centroids they score highest
         self.key_centroids = config.lsh_key_centroids
+        #: with learned buckets: rank them by their far members' mean key, taken once per block of this many tokens
+        #: (None: by the centroids)
+        self.member_mean_block = config.lsh_member_mean_block
         #: with `lsh_group_rotations`, a key-value group's query heads hash with the rotations of its first query
         #: head, so keys are hashed once per key-value head (learned buckets: a key's bucket is its head's, whatever
         #: the query head)
@@ -192,24 +197,151 @@ class LSHFarPart(LSHBuckets, FarPart):
         return hashed
 
     def _centroid_buckets(self, q, k, valid):
-        """Learned buckets (`lsh_key_centroids`): ([B, H, R, L] each query's R best-scoring centroids, q·c in
-        descending order, [B, kv_heads, R, L] each key's nearest centroid after its head's centre, repeated over
-        the R rounds); padding (valid False) in the extra bucket. Scored in float32 in blocks of queries, so the
-        [.., L, centroids] scores stay small at long lengths."""
-        centroids = self.layer.lsh_key_centroids.float()  # [kv, C, d]
+        """Learned buckets (`lsh_key_centroids`): ([B, H, R, L] each query's R best-scoring buckets in descending
+        order, [B, kv_heads, R, L] each key's nearest centroid after its head's centre, repeated over the R rounds);
+        padding (valid False) in the extra bucket. A bucket scores q·c, its centroid's score, or with
+        `lsh_member_mean_block` its members' mean key's (`_member_mean_probes`: the rows left-aligned, so an index
+        is a position). Scored in blocks of queries, so the [.., L, centroids] scores stay small at long lengths."""
+        centroids = self.layer.lsh_key_centroids.to(self._centroid_dtype(k))  # [kv, C, d]
         count, rounds = centroids.shape[1], self.num_hashes
-        keys = self._keys_to_hash(k, valid).float()
-        # nearest by |k - c|^2 = |k|^2 - 2 k·c + |c|^2: the argmax of 2 k·c - |c|^2
-        key_scores = 2 * keys @ centroids.transpose(-1, -2) - (centroids * centroids).sum(-1)[:, None, :]
-        key_buckets = key_scores.argmax(-1)[:, :, None, :].expand(-1, -1, rounds, -1)  # [B, kv, R, L]
-        per_query_head = centroids.repeat_interleave(self.group, dim=0).transpose(-1, -2)  # [H, d, C]
-        block = max(1, CENTROID_SCORES // (q.shape[0] * q.shape[1] * count))
-        query_buckets = torch.cat([(part.float() @ per_query_head).topk(rounds, dim=-1).indices
-                                   for part in q.split(block, dim=2)], dim=2).transpose(2, 3)  # [B, H, R, L]
+        keys = self._keys_to_hash(k, valid).to(centroids.dtype)
+        nearest = self._nearest_centroids(keys, centroids)  # [B, kv, L]
+        if self.member_mean_block is not None:
+            query_buckets = self._member_mean_probes(q, keys, nearest, valid, centroids)
+        else:
+            per_query_head = centroids.repeat_interleave(self.group, dim=0).transpose(-1, -2)  # [H, d, C]
+            block = max(1, CENTROID_SCORES // (q.shape[0] * q.shape[1] * count))
+            query_buckets = torch.cat([(part.to(centroids.dtype) @ per_query_head).topk(rounds, dim=-1).indices
+                                       for part in q.split(block, dim=2)], dim=2).transpose(2, 3)  # [B, H, R, L]
+        key_buckets = nearest[:, :, None, :].expand(-1, -1, rounds, -1)  # [B, kv, R, L]
         if valid is not None:
             key_buckets = key_buckets.masked_fill(~valid[:, None, None, :], count)
             query_buckets = query_buckets.masked_fill(~valid[:, None, None, :], count)
         return query_buckets, key_buckets
+
+    @staticmethod
+    def _centroid_dtype(k):
+        """Learned buckets are chosen in float32, or in the keys' own dtype when it is wider (float64 tests)."""
+        return torch.promote_types(k.dtype, torch.float32)
+
+    @staticmethod
+    def _nearest_centroids(keys, centroids):
+        """[B, kv, L] the nearest centroid (of [kv, C, d]) to each key of [B, kv, L, d]: by |k - c|^2 = |k|^2 -
+        2 k·c + |c|^2, the argmax of 2 k·c - |c|^2."""
+        return (2 * keys @ centroids.transpose(-1, -2) - (centroids * centroids).sum(-1)[:, None, :]).argmax(-1)
+
+    def _member_key(self, position, valid):
+        """Which keys join the members' sums, and when: ([B, L] a real key past the sinks, [L] the first block of
+        queries whose sums hold it). The query at position i ranks by the far keys up to e_i = ⌊i / P⌋·P - W, so key
+        j counts for the blocks a with aP - W >= j: from block ⌊(j + W - 1) / P⌋ + 1 on."""
+        counted = position >= self.sinks
+        counted = counted[None] if valid is None else counted[None] & valid
+        first_block = torch.div(position + self.window_size - 1, self.member_mean_block, rounding_mode="floor") + 1
+        return counted, first_block
+
+    def _member_mean_probes(self, q, keys, nearest, valid, centroids):
+        """[B, H, R, L] each left-aligned query's R buckets whose members' mean key scores highest: per block of P =
+        `lsh_member_mean_block` queries, the sums and counts per bucket of the far keys as of the block's start
+        (`_member_key`), one scatter and a cumulative sum over the blocks; a bucket's mean is (μ + Σ k) / (1 + n),
+        its centroid one member. keys [B, kv, L, d]: as hashed (centred); nearest [B, kv, L]: their buckets."""
+        batch, kv_heads, length, dim = keys.shape
+        heads, count, rounds = q.shape[1], centroids.shape[1], self.num_hashes
+        group = heads // kv_heads
+        size = min(self.member_mean_block, length)  # one block holds every query when the block is longer
+        blocks = -(-length // size)
+        counted, first_block = self._member_key(torch.arange(length, device=keys.device), valid)
+        # a key goes to its bucket in the first block that counts it, or to a spare slot past the last block
+        slot = torch.where(counted & (first_block < blocks), first_block * count, blocks * count)[:, None] + nearest
+        slot = slot.clamp(max=(blocks + 1) * count - 1)
+        sums = keys.new_zeros(batch, kv_heads, (blocks + 1) * count, dim).scatter_add_(
+            2, slot[..., None].expand(-1, -1, -1, dim), keys)
+        counts = keys.new_zeros(batch, kv_heads, (blocks + 1) * count).scatter_add_(2, slot, torch.ones_like(
+            keys[..., 0]))
+        sums = sums.view(batch, kv_heads, blocks + 1, count, dim)[:, :, :blocks].cumsum(2)
+        counts = counts.view(batch, kv_heads, blocks + 1, count)[:, :, :blocks].cumsum(2)
+        means = (centroids[None, :, None] + sums) / (1 + counts)[..., None]  # [B, kv, blocks, C, d]
+        # a key head's queries block by block: [B, kv, blocks, group * size, d]
+        queries = torch.nn.functional.pad(q.to(keys.dtype), (0, 0, 0, blocks * size - length)).view(
+            batch, kv_heads, group, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
+        rows = max(1, CENTROID_SCORES // (batch * kv_heads * count))  # query rows scored at once
+        per_piece, row_piece = max(1, rows // queries.shape[3]), min(queries.shape[3], rows)
+        best = torch.cat([torch.cat([(part @ block_means.transpose(-1, -2)).topk(rounds, dim=-1).indices
+                                     for part in block_queries.split(row_piece, dim=3)], dim=3)
+                          for block_queries, block_means in zip(queries.split(per_piece, dim=2),
+                                                                means.split(per_piece, dim=2), strict=True)], dim=2)
+        best = best.view(batch, kv_heads, blocks, group, size, rounds).permute(0, 1, 3, 5, 2, 4)
+        return best.reshape(batch, heads, rounds, blocks * size)[..., :length]
+
+    def _member_start(self, k, nearest, valid):
+        """The members' state after a prefill of left-aligned rows: per row of L_b real tokens, the sums and counts
+        per bucket that its next query ranks by (`lsh_member_sums`, `lsh_member_counts`: the far keys up to
+        ⌊(L_b - 1) / P⌋·P - W) and of the far keys since (`lsh_pending_sums`, `lsh_pending_counts`: up to L_b - 1 -
+        W), which join the first at the next block's first token (`_member_token`)."""
+        centroids = self.layer.lsh_key_centroids.to(self._centroid_dtype(k))
+        batch, kv_heads, length, dim = k.shape
+        keys = (k - self.layer.lsh_key_centre[:, None, :].to(k.dtype)).to(centroids.dtype)
+        position = torch.arange(length, device=k.device)
+        counted, first_block = self._member_key(position, valid)
+        real = valid.sum(-1, keepdim=True) if valid is not None else position.new_full((batch, 1), length)
+        snapshot = torch.div(real - 1, self.member_mean_block, rounding_mode="floor")  # the next query's block
+        is_far = counted & (position <= real - 1 - self.window_size)
+        state = {}
+        for name, chosen in (("member", is_far & (first_block <= snapshot)), ("pending", is_far & (first_block >
+                                                                                                   snapshot))):
+            weight = chosen[:, None, :].to(keys.dtype).expand(-1, kv_heads, -1)
+            bucket = nearest.clamp(max=centroids.shape[1] - 1)
+            state[f"lsh_{name}_sums"] = keys.new_zeros(batch, kv_heads, centroids.shape[1], dim).scatter_add_(
+                2, bucket[..., None].expand(-1, -1, -1, dim), keys * weight[..., None])
+            state[f"lsh_{name}_counts"] = keys.new_zeros(batch, kv_heads, centroids.shape[1]).scatter_add_(
+                2, bucket, weight)
+        return state
+
+    def _member_token(self, stored, q, k, x):
+        """(query buckets [B, H, R, 1], key buckets [B, kv_heads, R, 1], the members' state after it) of one new
+        token at x.position: the key leaving the window joins the pending sums (when it joins the far keys), which
+        join the members' at a block's first token; the query then ranks the buckets by their members' mean."""
+        centroids = self.layer.lsh_key_centroids.to(self._centroid_dtype(k))
+        centre = self.layer.lsh_key_centre[:, None, :]
+        rounds = self.num_hashes
+        batch, heads, _, dim = q.shape
+        nearest = self._nearest_centroids(self._keys_to_hash(k, None).to(centroids.dtype), centroids)  # [B, kv, 1]
+        leaving_k, _, joins = x.leaving
+        gone = (leaving_k - centre.to(leaving_k.dtype)).to(centroids.dtype)
+        gone_bucket = self._nearest_centroids(gone, centroids)
+        weight = joins.to(gone.dtype).view(batch, 1, 1).expand(-1, gone.shape[1], 1)
+        pending_sums = stored["lsh_pending_sums"].scatter_add(2, gone_bucket[..., None].expand(-1, -1, -1, dim),
+                                                              gone * weight[..., None])
+        pending_counts = stored["lsh_pending_counts"].scatter_add(2, gone_bucket, weight)
+        fold = (x.valid[:, 0] & (x.position[:, 0] % self.member_mean_block == 0)).view(batch, 1, 1)
+        sums = stored["lsh_member_sums"] + torch.where(fold[..., None], pending_sums, 0)
+        counts = stored["lsh_member_counts"] + torch.where(fold, pending_counts, 0)
+        state = dict(lsh_member_sums=sums, lsh_member_counts=counts,
+                     lsh_pending_sums=torch.where(fold[..., None], 0, pending_sums),
+                     lsh_pending_counts=torch.where(fold, 0, pending_counts))
+        means = (centroids + sums) / (1 + counts)[..., None]  # [B, kv, C, d]
+        kv_heads = means.shape[1]
+        scores = q.to(means.dtype).view(batch, kv_heads, heads // kv_heads, dim) @ means.transpose(-1, -2)
+        query_buckets = scores.topk(rounds, dim=-1).indices.view(batch, heads, rounds, 1)
+        return query_buckets, nearest[:, :, None, :].expand(-1, -1, rounds, -1), state
+
+    def _reference_member_probes(self, q, k, valid, position):
+        """[B, H, R, L] the members' mean rule in the tokens' own order, densely: for the query at position i, the
+        mean key (μ + Σ k) / (1 + n) of each bucket's real keys at positions S <= j <= ⌊i / P⌋·P - W (centred, each
+        in the bucket of its nearest centroid by distance), and its R best-scoring buckets."""
+        centroids = self.layer.lsh_key_centroids.to(self._centroid_dtype(k))
+        keys = (k - self.layer.lsh_key_centre[:, None, :].to(k.dtype)).to(centroids.dtype)
+        nearest = (keys[:, :, :, None, :] - centroids[None, :, None]).square().sum(-1).argmin(-1)  # [B, kv, L]
+        members = torch.nn.functional.one_hot(nearest, centroids.shape[1]).to(keys.dtype)  # [B, kv, L, C]
+        last = torch.div(position, self.member_mean_block, rounding_mode="floor") * self.member_mean_block - \
+            self.window_size
+        counted = (position[:, None, :] >= self.sinks) & (position[:, None, :] <= last[:, :, None])
+        counted = (counted & valid[:, None, :]).to(keys.dtype)  # [B, L (query), L (key)]
+        sums = torch.einsum("bqj,bhjc,bhjd->bhqcd", counted, members, keys)
+        counts = torch.einsum("bqj,bhjc->bhqc", counted, members)
+        means = ((centroids[None, :, None] + sums) / (1 + counts)[..., None]).repeat_interleave(self.group, dim=1)
+        scores = torch.einsum("bhqd,bhqcd->bhqc", q.to(keys.dtype), means)
+        best = scores.topk(self.num_hashes, dim=-1).indices.transpose(2, 3)
+        return best.masked_fill(~valid[:, None, None, :], centroids.shape[1])
 
     def _hash_token(self, q, k, rotations, factors):
         """(query buckets [B, H, R, 1], key buckets [B, H_k, R, 1]) of one new token, its query q [B, H, 1, d] and
@@ -274,6 +406,8 @@ class LSHFarPart(LSHBuckets, FarPart):
     def parallel(self, x: FarInputs) -> FarOutput:
         query_buckets, key_buckets, rotations = self._buckets(x.q, x.k, x.valid, x.recompute)  # padding: extra bucket
         state = self._start_state(x.k, x.v, key_buckets, rotations) if x.keep_state else None
+        if state is not None and self.member_mean_block is not None:
+            state.update(self._member_start(x.k, key_buckets[:, :, 0], x.valid))
         if not self.shared_qk:
             return FarOutput(*self._far_of_sorted_blocks(x.q, x.k, x.v, query_buckets, key_buckets), state)
         return FarOutput(*self._far_of_shared_qk(x.q, x.k, x.v, query_buckets, x.recompute), state)
@@ -520,8 +654,12 @@ class LSHFarPart(LSHBuckets, FarPart):
         if rotations is None and not self.key_centroids:
             rotations = self.draw_rotations(batch, self.num_hashes, factors, q.device)
         not_real = ~real[:, None, None, None]
-        query_buckets, key_buckets = (buckets.masked_fill(not_real, math.prod(factors))
-                                      for buckets in self._hash_token(q, k, rotations, factors))
+        if self.member_mean_block is not None:
+            *hashed, members = self._member_token(stored, q, k, x)
+            stored.update(members)
+        else:
+            hashed = self._hash_token(q, k, rotations, factors)
+        query_buckets, key_buckets = (buckets.masked_fill(not_real, math.prod(factors)) for buckets in hashed)
         decoded = seen - stored["lsh_sorted"].shape[-1]  # tokens stored since the prefill (a host number)
         candidates = self._recent_keys(stored, query_buckets, decoded)
         at = position.new_full((batch,), decoded)
@@ -561,6 +699,8 @@ class LSHFarPart(LSHBuckets, FarPart):
                 for name in ("buckets", "key_buckets" if "key_buckets" in recompute.saved else "buckets"))
         else:
             query_buckets, key_buckets, _ = self._buckets(q, k, valid, None)
+            if self.member_mean_block is not None:
+                query_buckets = self._reference_member_probes(q, k, valid, x.position)
         key_buckets = self._per_query_head(key_buckets)
         m, before = self.chunk_length, self.chunks_before
         same = key_buckets[..., None, :] == query_buckets[..., :, None]  # [B, H, R, L(query), L(key)]

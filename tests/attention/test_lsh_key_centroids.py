@@ -143,10 +143,15 @@ def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads, blo
     cache = assert_decoding_equals_the_full_forward(model, length=26, prefill=7, padding=3)
     assert all("far.lsh_sorted" in layer.state for layer in cache.layers)
     assert not any("far.lsh_rotations" in layer.state for layer in cache.layers)  # learned buckets draw none
-    for layer in cache.layers:  # the members' sums and counts: a bucket each, whatever the length
+    kv_heads = 2 if far_kv_heads is None else 1
+    for layer in cache.layers:
+        # a key's bucket is the same in every round: one index of the prefill's keys and one of the decoded tokens'
+        # buckets serve both rounds
+        assert layer.state["far.lsh_sorted"].shape == (2, kv_heads, 7)
+        assert layer.state["far.lsh_new_buckets"].shape[:2] == (2, kv_heads)
+        # the members' sums and counts: a bucket each, whatever the length
         kept = {name: layer.state[f"far.lsh_{name}_sums"].shape for name in ("member", "pending")
                 if f"far.lsh_{name}_sums" in layer.state}
-        kv_heads = 2 if far_kv_heads is None else 1
         assert kept == ({} if block is None else {"member": (2, kv_heads, 6, 8), "pending": (2, kv_heads, 6, 8)})
 
 

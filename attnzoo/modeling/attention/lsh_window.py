@@ -460,10 +460,18 @@ class LSHFarPart(LSHBuckets, FarPart):
         queries, heads = group * per_head, key_heads
         position = torch.arange(length, device=device)
         query_position = position[first:].repeat(group)
-        codes, key_order = (key_buckets * length + position).sort(dim=-1)  # slot -> key position
-        before = torch.searchsorted(codes, (query_buckets * length + query_position).contiguous())  # [B, H_k, R, Q]
-        bucket_start = torch.searchsorted(codes, (query_buckets * length).contiguous())
-        low = torch.maximum(before - K, bucket_start)
+        # Learned buckets give a key one bucket in every round: one sorted order (and one copy of the sorted keys)
+        # serves all rounds, where random rotations need one a round. No pair is then listed in two rounds either (a
+        # query's buckets differ round to round), so the duplicate correction has nothing to remove.
+        key_rounds = 1 if self.key_centroids else rounds
+        codes, key_order = (key_buckets[:, :, :key_rounds] * length + position).sort(dim=-1)  # slot -> key position
+
+        def slots_of(values):  # [B, H_k, R, Q] -> where in its round's sorted codes each value goes
+            wanted = values.reshape(batch, key_heads, key_rounds, -1).contiguous()
+            return torch.searchsorted(codes, wanted).view(batch, key_heads, rounds, -1)
+
+        before = slots_of(query_buckets * length + query_position)  # [B, H_k, R, Q]
+        low = torch.maximum(before - K, slots_of(query_buckets * length))  # from the bucket's first slot at most
         key_slot = inverse_permutation(key_order)  # key position -> slot
         # Queries by the chunk of sorted keys their candidates end in; `rank`: their place among that chunk's queries.
         chunk = torch.div(before, C, rounding_mode="floor")
@@ -488,7 +496,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         sorted_rows = grouped_rows(k, key_order)
         both = torch.cat([k, v], dim=-1)
         sorted_pairs = torch.nn.functional.pad(both.reshape(-1, both.shape[-1]).index_select(0, sorted_rows).view(
-            batch, heads, rounds, length, -1), (0, 0, K, C))  # [B, H, R, K + L + C, d + e]
+            batch, heads, key_rounds, length, -1), (0, 0, K, C))  # [B, H, R | 1, K + L + C, d + e]
         sorted_positions = torch.nn.functional.pad(key_order, (K, C), value=-1)  # their key positions, -1: padding
         # int32 from here: the [.., C, K + C] comparisons are most of the far part's time
         bounds = (low.int(), before.int(), key_slot.int())
@@ -524,20 +532,21 @@ class LSHFarPart(LSHBuckets, FarPart):
         keys and their log-sum-exp. q [B, H, Q, d]: the queries (scaled) from
         position `first` on, `per_head` of them for each query head of the key head's group in turn (query i sits at
         position first + i mod `per_head`); `query_at` [B, H, R, n * C]: which of them sit in each block's places
-        (-1: an empty place); `sorted_pairs` [B, H, R, K + L + C, d + e]: each round's sorted keys and values side by
-        side, K zero rows before and C after, so chunk j's span starts at row jC; `sorted_positions`
-        [B, H, R, K + L + C]: their key positions, -1 on the padding; `low`, `before` [B, H, R, Q]: each query's
-        candidate slots [low, before) per round (int32); `key_slot` [B, H, R, L]: each key's slot per round
-        (int32)."""
-        batch, heads, rounds, length = key_slot.shape
+        (-1: an empty place); `sorted_pairs` [B, H, R | 1, K + L + C, d + e]: each round's sorted keys and values
+        side by side (one order for every round with learned buckets), K zero rows before and C after, so chunk j's
+        span starts at row jC; `sorted_positions` [B, H, R | 1, K + L + C]: their key positions, -1 on the padding;
+        `low`, `before` [B, H, R, Q]: each query's candidate slots [low, before) per round (int32); `key_slot`
+        [B, H, R | 1, L]: each key's slot per round (int32)."""
+        batch, heads, key_rounds, length = key_slot.shape
+        rounds = chunk_of_block.shape[2]
         C, K = SORTED_BLOCK, self.recent_size
         blocks, span = chunk_of_block.shape[-1], K + C
         shape = (batch, heads, rounds, blocks, C)
         device, dim = q.device, q.shape[-1]
         slot = chunk_of_block[..., None] * C - K + torch.arange(span, device=device)  # [B, H, R, n, S]
-        key_at = sorted_positions.gather(-1, (slot + K).flatten(3)).view_as(slot)  # [B, H, R, n, S]
-        # each block's span: K + C consecutive rows of the padded sorted keys and values
-        head_round = torch.arange(batch * heads * rounds, device=device).view(batch, heads, rounds, 1, 1)
+        key_at = sorted_positions.expand(-1, -1, rounds, -1).gather(-1, (slot + K).flatten(3)).view_as(slot)
+        # each block's span: K + C consecutive rows of the padded sorted keys and values (of its round's order)
+        head_round = torch.arange(batch * heads * key_rounds, device=device).view(batch, heads, key_rounds, 1, 1)
         rows = head_round * (K + length + C) + (slot + K)
         pairs = sorted_pairs.reshape(-1, sorted_pairs.shape[-1]).index_select(0, rows.reshape(-1)).view(
             *shape[:4], span, -1)
@@ -554,7 +563,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         far &= (key_at >= self.sinks).unsqueeze(-2)
         at_position = query_pos if per_head == q.shape[2] else query_pos % per_head  # a group: i mod per_head
         far &= key_at.unsqueeze(-2) <= (at_position + (first - self.window_size)).unsqueeze(-1)
-        if self.duplicate_correction:
+        if self.duplicate_correction and key_rounds > 1:
             # a pair listed in an earlier round already counts there: each key once (the reference's correction)
             query_index, key_index = query_pos.flatten(3), key_at.clamp(min=0).flatten(3)
             for this in range(1, rounds):
@@ -601,7 +610,9 @@ class LSHFarPart(LSHBuckets, FarPart):
         last K entries of one run: O(K) a head and round, where comparing the query's bucket with every stored key's
         was O(L) (at 32K tokens on SmolLM2's shapes, that search was a third of an `lsh_window` decoding step). It
         holds a position per key, head and round (2 bytes below 32K tokens, 4 above), as the bucket indices it
-        replaces held a bucket."""
+        replaces held a bucket; with learned buckets a key's bucket is the same in every round, so one round's index
+        (and one round's buckets of the decoded tokens) serves them all."""
+        key_buckets = key_buckets[:, :, :1] if self.key_centroids else key_buckets
         batch, heads, rounds, length = key_buckets.shape
         buckets = key_buckets.reshape(batch, heads * rounds, length)
         index_dtype = torch.int16 if length < torch.iinfo(torch.int16).max else torch.int32
@@ -621,11 +632,12 @@ class LSHFarPart(LSHBuckets, FarPart):
         [B, H, R, 1]), most recent first, -1 where there are fewer: the last K of the bucket's run in the prefill's
         index, after the matches among the `decoded` tokens stored since (all of them later than the prefill's)."""
         batch, heads, rounds, _ = query_buckets.shape
-        key_heads = state["lsh_sorted"].shape[1] // rounds
+        key_rounds = 1 if self.key_centroids else rounds  # learned buckets: one index for every round
+        key_heads = state["lsh_sorted"].shape[1] // key_rounds
         group, prefill, recent = heads // key_heads, state["lsh_sorted"].shape[-1], self.recent_size
 
-        def per_query_head(x):  # [B, H_k * R, n] -> [B, H_k, group, R, n], the group's query heads as a view
-            return x.view(batch, key_heads, 1, rounds, -1).expand(-1, -1, group, -1, -1)
+        def per_query_head(x):  # [B, H_k * R | H_k, n] -> [B, H_k, group, R, n], the group's query heads as a view
+            return x.view(batch, key_heads, 1, key_rounds, -1).expand(-1, -1, group, rounds, -1)
 
         wanted = query_buckets.view(batch, key_heads, group, rounds, 1)
         starts = per_query_head(state["lsh_starts"])
@@ -635,7 +647,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         if decoded:  # the decoded tokens' most recent matches (their slots are in time order), as positions
             slots = most_recent_in_bucket(per_query_head(state["lsh_new_buckets"][..., :decoded]), wanted, decoded,
                                           recent)
-            positions = per_query_head(state["lsh_new_positions"][..., :decoded].expand(-1, key_heads * rounds, -1))
+            positions = per_query_head(state["lsh_new_positions"][..., :decoded].expand(-1, key_heads * key_rounds,
+                                                                                        -1))
             later = torch.where(slots >= 0, positions.gather(-1, slots.clamp(min=0)).long(), -1)
             found = torch.cat([later, found], -1)
             found = found.topk(min(recent, found.shape[-1]), dim=-1).values
@@ -663,9 +676,10 @@ class LSHFarPart(LSHBuckets, FarPart):
         decoded = seen - stored["lsh_sorted"].shape[-1]  # tokens stored since the prefill (a host number)
         candidates = self._recent_keys(stored, query_buckets, decoded)
         at = position.new_full((batch,), decoded)
+        kept_buckets = key_buckets[:, :, :1] if self.key_centroids else key_buckets  # (learned: one a key)
         stored["lsh_new_buckets"] = write_at_rows(
             stored["lsh_new_buckets"], at,
-            key_buckets.reshape(batch, -1, 1).to(stored["lsh_new_buckets"].dtype), decoded + 1)
+            kept_buckets.reshape(batch, -1, 1).to(stored["lsh_new_buckets"].dtype), decoded + 1)
         stored["lsh_new_positions"] = write_at_rows(
             stored["lsh_new_positions"], at, torch.where(real, position, -1).view(batch, 1, 1).int(), decoded + 1)
         leaving_k, leaving_v, _ = x.leaving  # the key at position - W, if there is one, goes to the store

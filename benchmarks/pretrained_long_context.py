@@ -471,12 +471,14 @@ def prepare_models(args, specs: dict, identity: dict, designs: list[str]) -> dic
             print(f"  {time.perf_counter() - started:.1f} s", flush=True)
         source_dir = str(args.models_dir / rel)
     folders, source = {}, None
-    read = [specs[d]["reads"] for d in designs if "reads" in specs[d]]
+    # a model read from another design's is built from it once; once built, it needs nothing else
+    read = [specs[d]["reads"] for d in designs if "reads" in specs[d]
+            and not (args.models_dir / f"{d}-{digest([identity, specs[d]])}" / "config.json").is_file()]
     calibrated_on = [specs[d]["retrieval_layers"]["of"] for d in [*read, *designs]
                      if "of" in specs[d].get("retrieval_layers", {})]
     # a design that calibrates on another, or reads another's model: that one first
     ordered = [name for design in [*calibrated_on, *designs]
-               for name in ([specs[design]["reads"]] if "reads" in specs[design] else []) + [design]]
+               for name in ([specs[design]["reads"]] if specs[design].get("reads") in read else []) + [design]]
     for name in dict.fromkeys(ordered):
         if name in folders:
             continue
@@ -531,8 +533,8 @@ def read_with_settings(base: str, target: Path, settings: dict, source_dir: str)
                    family="hybrid")
     record = Path(base) / "calibration.json"
     calibration = json.loads(record.read_text()) if record.is_file() else {}
-    (target / "calibration.json").write_text(json.dumps({**calibration, "read_from": base, "settings": settings},
-                                                        indent=1) + "\n")
+    (target / "calibration.json").write_text(json.dumps({**calibration, "read_from": Path(base).name,
+                                                         "read_settings": settings}, indent=1) + "\n")
 
 
 def centre_keys(model, tokenizer, length: int, centroids: bool = False) -> dict:

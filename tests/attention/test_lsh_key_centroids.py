@@ -16,7 +16,7 @@ from attnzoo.convert.lsh_key_centres import (
     fit_lsh_key_centroids,
     kmeans,
 )
-from attnzoo.modeling.attention import build_attention
+from attnzoo.modeling.attention import build_attention, lsh_window
 from attnzoo.modeling.attention.lsh_window import LSHFarPart
 from tests.attention.helpers import saved_loaded_and_generating_like_the_full_forward
 from tests.attention.test_far_positions import assert_decoding_equals_the_full_forward
@@ -122,8 +122,16 @@ def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, s
     check_against_the_dense_reference(attn)
 
 
-@pytest.mark.parametrize("window, sinks, probes, block", [(4, 2, 2, 3), (1, 0, 1, 1), (15, 4, 6, 5), (4, 2, 2, 64)])
-def test_the_fast_path_equals_the_dense_reference_probing_by_the_members_mean(window, sinks, probes, block):
+@pytest.mark.parametrize("window, sinks, probes, block, pieces", [
+    (4, 2, 2, 3, False), (1, 0, 1, 1, False), (15, 4, 3, 5, False), (4, 2, 2, 64, False), (4, 2, 2, 3, True),
+    (1, 0, 3, 1, True)])
+def test_the_fast_path_equals_the_dense_reference_probing_by_the_members_mean(window, sinks, probes, block, pieces,
+                                                                            monkeypatch):
+    """Blocks shorter than the window and longer than the sequence (every bucket then its centroid); with `pieces`
+    the sums and scores bounded to one block and one query row at a time (a running sum across the pieces)."""
+    if pieces:
+        monkeypatch.setattr(lsh_window, "MEMBER_SUMS", 1)
+        monkeypatch.setattr(lsh_window, "CENTROID_SCORES", 1)
     torch.manual_seed(0)
     attn = with_random_calibration(build_attention(
         "lsh_window", config(window_size=window, num_sink_tokens=sinks, lsh_num_hashes=probes,
@@ -256,3 +264,61 @@ def test_a_failed_fit_keeps_the_centroids_it_had():
         if name in before:
             torch.testing.assert_close(buffer, before[name], rtol=0, atol=0)
     assert all(part.key_capture is None for part in centroid_lsh_parts(model).values())
+
+
+@pytest.mark.parametrize("block, window, sinks, prefill, far_kv_heads, eval_probes", [
+    (1, 4, 2, 3, None, None),  # a block a token: the sums change at every step
+    (40, 4, 0, 8, [[1]], 3),  # blocks longer than the text: every bucket its centroid; more probes in evaluation
+    (3, 1, 2, 1, None, 3),  # a prefill shorter than the window and sinks
+    (4, 4, 2, 12, [[1]], None),  # a prefill of whole blocks
+])
+def test_each_decoding_step_probes_the_buckets_the_full_forward_probes(block, window, sinks, prefill, far_kv_heads,
+                                                                      eval_probes, monkeypatch):
+    """The probes themselves, step by step, for rows of three lengths (one all padding through the prefill): each
+    real token's buckets in decoding are the full forward's at its position, and so are the logits."""
+    from attnzoo.transformers_compat import output_cache
+
+    full_probes, step_probes = [], []
+    centroid_buckets, member_token = LSHFarPart._centroid_buckets, LSHFarPart._member_token
+
+    def recorded_full(self, q, k, valid):
+        out = centroid_buckets(self, q, k, valid)
+        full_probes.append(out[0])
+        return out
+
+    def recorded_step(self, stored, q, k, x):
+        out = member_token(self, stored, q, k, x)
+        step_probes.append((out[0], x.valid[:, 0].clone(), x.position[:, 0].clone()))
+        return out
+
+    monkeypatch.setattr(LSHFarPart, "_centroid_buckets", recorded_full)
+    monkeypatch.setattr(LSHFarPart, "_member_token", recorded_step)
+    torch.manual_seed(0)
+    model = with_random_calibration(AutoModelForCausalLM.from_config(config(
+        window_size=window, num_sink_tokens=sinks, lsh_num_buckets=8, lsh_num_hashes=2,
+        lsh_num_hashes_eval=eval_probes, lsh_member_mean_block=block, far_kv_heads=far_kv_heads,
+        max_position_embeddings=64)).double().eval())
+    length = 30
+    ids = torch.randint(1, 37, (3, length))
+    mask = torch.ones_like(ids)
+    mask[1, :5], mask[2, :prefill + 2] = 0, 0
+    with torch.no_grad():
+        full_logits = model(ids, attention_mask=mask).logits
+        layers = len(full_probes)
+        out = model(ids[:, :prefill], attention_mask=mask[:, :prefill], use_cache=True)
+        logits = [out.logits]
+        for t in range(prefill, length):
+            out = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=output_cache(out), use_cache=True)
+            logits.append(out.logits)
+    full_probes = full_probes[:layers]
+    assert layers == 2 and len(step_probes) == layers * (length - prefill)
+    compared = 0
+    for step, (probes, real, position) in enumerate(step_probes):
+        for row in range(3):
+            if real[row]:
+                torch.testing.assert_close(probes[row, :, :, 0], full_probes[step % layers][row, :, :, position[row]],
+                                           rtol=0, atol=0)
+                compared += 1
+    assert compared == layers * int(mask[:, prefill:].sum())  # every real decoded token, in every layer
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[real], full_logits[real], rtol=1e-9, atol=1e-10)

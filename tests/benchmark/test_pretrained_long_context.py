@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -141,8 +140,9 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     # lsh_heads_member_means: lsh_heads_centroids' model read with lsh_member_mean_block, its buffers as they were
     means_folder = next((tmp_path / "models").glob("lsh_heads_member_means-*"))
     read = json.loads((means_folder / "calibration.json").read_text())
-    assert Path(read["read_from"]).name.startswith("lsh_heads_centroids-") and read["top_kv_heads"] == {"0": [best]}
-    assert read["settings"] == {"lsh_member_mean_block": 64}
+    assert read["read_from"].startswith("lsh_heads_centroids-") and read["top_kv_heads"] == {"0": [best]}
+    assert read["read_settings"] == {"lsh_member_mean_block": 64}
+    assert read["settings"] == learned["settings"]  # the calibration's own, as lsh_heads_centroids records them
     means_model = AutoModelForCausalLM.from_pretrained(means_folder)
     assert means_model.config.lsh_member_mean_block == 64 and means_model.config.far_kv_heads == [[best]]
     for got, kept in zip(means_model.state_dict().values(), AutoModelForCausalLM.from_pretrained(
@@ -192,6 +192,14 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     run(tmp_path, source, "--designs", "source", "--remeasure")
     assert [(j["design"], bool(j.get("loss"))) for j in measured] == [("source", False), ("source", True)]
     assert len(json.loads((tmp_path / "plc.json").read_text())["rows"]) == len(bench.DESIGN_NAMES) + 1
+    # a model read from another's, once built, needs nothing else: its base gone, nothing is converted again
+    import shutil
+
+    shutil.rmtree(next((tmp_path / "models").glob("lsh_heads_centroids-*")))
+    measured.clear()
+    run(tmp_path, source, "--designs", "lsh_heads_member_means", "--depths", "0.5", "1")
+    assert [(j["design"], j["depth"]) for j in measured] == [("lsh_heads_member_means", 1.0)]
+    assert not list((tmp_path / "models").glob("lsh_heads_centroids-*"))
 
 
 def test_a_design_added_since_keeps_the_report_and_a_changed_one_goes_beside(tmp_path, source, measured):

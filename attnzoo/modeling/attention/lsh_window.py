@@ -83,6 +83,9 @@ SORTED_BLOCK = 32
 FAR_BLOCK_PAIRS = 1 << 20
 #: (query, centroid) scores learned buckets compute at once: 2^24 floats, 64 MB
 CENTROID_SCORES = 1 << 24
+#: (block, bucket) key sums the members' mean holds at once: 2^22 floats, 16 MB (the blocks of a 32K prompt at
+#: P = 256 in one piece for a key-value head of SmolLM2's shapes)
+MEMBER_SUMS = 1 << 22
 #: the bound off the CPU: a GPU has no such cache to fit and pays a few dozen kernel launches a group (the CPU's bound
 #: before, about 300 MB of scores and masks a group in float32)
 FAR_BLOCK_PAIRS_OFF_CPU = 1 << 24
@@ -242,41 +245,53 @@ class LSHFarPart(LSHBuckets, FarPart):
     def _member_mean_probes(self, q, keys, nearest, valid, centroids):
         """[B, H, R, L] each left-aligned query's R buckets whose members' mean key scores highest: per block of P =
         `lsh_member_mean_block` queries, the sums and counts per bucket of the far keys as of the block's start
-        (`_member_key`), one scatter and a cumulative sum over the blocks; a bucket's mean is (μ + Σ k) / (1 + n),
-        its centroid one member. keys [B, kv, L, d]: as hashed (centred); nearest [B, kv, L]: their buckets."""
+        (`_member_key`): the keys scattered into (block, bucket) slots and summed cumulatively over the blocks, a
+        piece of blocks at a time (so a small P holds no [L / P, C, d] sums at once); a bucket's mean is
+        (μ + Σ k) / (1 + n), its centroid one member. keys [B, kv, L, d]: as hashed (centred); nearest [B, kv, L]:
+        their buckets."""
         batch, kv_heads, length, dim = keys.shape
         heads, count, rounds = q.shape[1], centroids.shape[1], self.num_hashes
-        group = heads // kv_heads
-        size = min(self.member_mean_block, length)  # one block holds every query when the block is longer
+        group, block_size = heads // kv_heads, self.member_mean_block
+        if length == 0:
+            return nearest.new_zeros(batch, heads, rounds, 0)
+        size = min(block_size, length)  # one block holds every query when the block is longer
         blocks = -(-length // size)
         counted, first_block = self._member_key(torch.arange(length, device=keys.device), valid)
-        # a key goes to its bucket in the first block that counts it, or to a spare slot past the last block
-        slot = torch.where(counted & (first_block < blocks), first_block * count, blocks * count)[:, None] + nearest
-        slot = slot.clamp(max=(blocks + 1) * count - 1)
-        sums = keys.new_zeros(batch, kv_heads, (blocks + 1) * count, dim).scatter_add_(
-            2, slot[..., None].expand(-1, -1, -1, dim), keys)
-        counts = keys.new_zeros(batch, kv_heads, (blocks + 1) * count).scatter_add_(2, slot, torch.ones_like(
-            keys[..., 0]))
-        sums = sums.view(batch, kv_heads, blocks + 1, count, dim)[:, :, :blocks].cumsum(2)
-        counts = counts.view(batch, kv_heads, blocks + 1, count)[:, :, :blocks].cumsum(2)
-        means = (centroids[None, :, None] + sums) / (1 + counts)[..., None]  # [B, kv, blocks, C, d]
+        counted = counted.expand(batch, -1)
         # a key head's queries block by block: [B, kv, blocks, group * size, d]
         queries = torch.nn.functional.pad(q.to(keys.dtype), (0, 0, 0, blocks * size - length)).view(
             batch, kv_heads, group, blocks, size, dim).transpose(2, 3).reshape(batch, kv_heads, blocks, -1, dim)
-        rows = max(1, CENTROID_SCORES // (batch * kv_heads * count))  # query rows scored at once
-        per_piece, row_piece = max(1, rows // queries.shape[3]), min(queries.shape[3], rows)
-        best = torch.cat([torch.cat([(part @ block_means.transpose(-1, -2)).topk(rounds, dim=-1).indices
-                                     for part in block_queries.split(row_piece, dim=3)], dim=3)
-                          for block_queries, block_means in zip(queries.split(per_piece, dim=2),
-                                                                means.split(per_piece, dim=2), strict=True)], dim=2)
-        best = best.view(batch, kv_heads, blocks, group, size, rounds).permute(0, 1, 3, 5, 2, 4)
+        per_piece = max(1, min(MEMBER_SUMS // (batch * kv_heads * count * dim),
+                               CENTROID_SCORES // (batch * kv_heads * queries.shape[3] * count)))
+        row_piece = min(queries.shape[3], max(1, CENTROID_SCORES // (batch * kv_heads * count)))
+        sums, counts = keys.new_zeros(batch, kv_heads, 1, count, dim), keys.new_zeros(batch, kv_heads, 1, count)
+        best = []
+        for start in range(0, blocks, per_piece):  # a few pieces: memory, not work, is what they bound
+            end = min(start + per_piece, blocks)
+            # the keys first counted in blocks start..end - 1 lie at [(start - 1)P - W + 1, (end - 1)P - W + 1); each
+            # to its (block, bucket) slot, or, not counted (padding, sinks), to a spare block's
+            lo, hi = (min(max((at - 1) * block_size - self.window_size + 1, 0), length) for at in (start, end))
+            slot = torch.where(counted[:, lo:hi], (first_block[lo:hi] - start) * count, (end - start) * count)
+            slot = slot[:, None] + nearest[:, :, lo:hi]
+            added = keys.new_zeros(batch, kv_heads, (end - start + 1) * count, dim).scatter_add_(
+                2, slot[..., None].expand(-1, -1, -1, dim), keys[:, :, lo:hi])
+            added_counts = keys.new_zeros(batch, kv_heads, (end - start + 1) * count).scatter_add_(
+                2, slot, torch.ones_like(keys[:, :, lo:hi, 0]))
+            piece_sums = sums + added.view(batch, kv_heads, -1, count, dim)[:, :, :end - start].cumsum(2)
+            piece_counts = counts + added_counts.view(batch, kv_heads, -1, count)[:, :, :end - start].cumsum(2)
+            sums, counts = piece_sums[:, :, -1:], piece_counts[:, :, -1:]
+            means = (centroids[None, :, None] + piece_sums) / (1 + piece_counts)[..., None]  # [B, kv, n, C, d]
+            best.append(torch.cat([(part @ means.transpose(-1, -2)).topk(rounds, dim=-1).indices
+                                   for part in queries[:, :, start:end].split(row_piece, dim=3)], dim=3))
+        best = torch.cat(best, dim=2).view(batch, kv_heads, blocks, group, size, rounds).permute(0, 1, 3, 5, 2, 4)
         return best.reshape(batch, heads, rounds, blocks * size)[..., :length]
 
     def _member_start(self, k, nearest, valid):
         """The members' state after a prefill of left-aligned rows: per row of L_b real tokens, the sums and counts
-        per bucket that its next query ranks by (`lsh_member_sums`, `lsh_member_counts`: the far keys up to
+        per bucket of its last token's block (`lsh_member_sums`, `lsh_member_counts`: the far keys up to
         ⌊(L_b - 1) / P⌋·P - W) and of the far keys since (`lsh_pending_sums`, `lsh_pending_counts`: up to L_b - 1 -
-        W), which join the first at the next block's first token (`_member_token`)."""
+        W), which join the first at the next block's first token (`_member_token`). Keys are left out by selection
+        (`torch.where`), not by a zero weight, so a padding key's values never reach a sum."""
         centroids = self.layer.lsh_key_centroids.to(self._centroid_dtype(k))
         batch, kv_heads, length, dim = k.shape
         keys = (k - self.layer.lsh_key_centre[:, None, :].to(k.dtype)).to(centroids.dtype)
@@ -288,10 +303,11 @@ class LSHFarPart(LSHBuckets, FarPart):
         state = {}
         for name, chosen in (("member", is_far & (first_block <= snapshot)), ("pending", is_far & (first_block >
                                                                                                    snapshot))):
-            weight = chosen[:, None, :].to(keys.dtype).expand(-1, kv_heads, -1)
+            chosen = chosen[:, None, :].expand(-1, kv_heads, -1)
+            weight = chosen.to(keys.dtype)
             bucket = nearest.clamp(max=centroids.shape[1] - 1)
             state[f"lsh_{name}_sums"] = keys.new_zeros(batch, kv_heads, centroids.shape[1], dim).scatter_add_(
-                2, bucket[..., None].expand(-1, -1, -1, dim), keys * weight[..., None])
+                2, bucket[..., None].expand(-1, -1, -1, dim), torch.where(chosen[..., None], keys, 0))
             state[f"lsh_{name}_counts"] = keys.new_zeros(batch, kv_heads, centroids.shape[1]).scatter_add_(
                 2, bucket, weight)
         return state
@@ -310,7 +326,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         gone_bucket = self._nearest_centroids(gone, centroids)
         weight = joins.to(gone.dtype).view(batch, 1, 1).expand(-1, gone.shape[1], 1)
         pending_sums = stored["lsh_pending_sums"].scatter_add(2, gone_bucket[..., None].expand(-1, -1, -1, dim),
-                                                              gone * weight[..., None])
+                                                              torch.where(joins.view(batch, 1, 1, 1), gone, 0))
         pending_counts = stored["lsh_pending_counts"].scatter_add(2, gone_bucket, weight)
         fold = (x.valid[:, 0] & (x.position[:, 0] % self.member_mean_block == 0)).view(batch, 1, 1)
         sums = stored["lsh_member_sums"] + torch.where(fold[..., None], pending_sums, 0)
@@ -376,7 +392,10 @@ class LSHFarPart(LSHBuckets, FarPart):
         """(query buckets [B, H, R, L], key buckets [B, H_k, R, L] (`_hash_keys`; shared QK: the query buckets),
         rotations or None) of this forward: hashed with new rotations
         (and saved for a reversible stack's recomputation, which reuses them), or the saved ones when replaying."""
-        if self.key_centroids:  # a function of q and k alone: a replay computes the same buckets again
+        # Learned buckets are a function of q and k alone: a replay computes the same buckets again, except that the
+        # members' sums are scattered (on a GPU in no fixed order), so a replay reads those it saved.
+        if self.key_centroids and not (self.member_mean_block is not None and recompute is not None
+                                       and recompute.replaying):
             query_buckets, key_buckets = self._centroid_buckets(q, k, valid)
             if recompute is not None and not recompute.replaying:  # (what the reference reads when it replays)
                 recompute.saved.update(buckets=query_buckets, key_buckets=key_buckets)
@@ -587,7 +606,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         `index` [B, H, T, n] (-1: none; keys, values [B, H, T, n, d] gathered there): those beyond the window."""
         far = (index >= 0) & beyond_window(position, index, self.window_size, self.sinks)
         logits = self._far_logits(q, keys)
-        if self.duplicate_correction:
+        if self.duplicate_correction and not self.key_centroids:  # (learned buckets list no key twice)
             # A key listed in c slots counts once: the correction's logit s - log(c) in each of its c slots sums to
             # exp(s), as keeping its first slot alone does. Sorting the n slots finds repeats in O(n log n), where
             # counting them pairwise built an [n, n] comparison per query (most of the far part's time).

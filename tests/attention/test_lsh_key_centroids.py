@@ -65,16 +65,21 @@ def test_keys_fall_in_their_nearest_centroids_bucket_and_queries_probe_their_bes
     torch.testing.assert_close(token_k, key_buckets[..., 4:5], rtol=0, atol=0)
 
 
-def test_a_query_probes_the_bucket_of_its_content():
-    """Keys of two contents along e0 and e1, interleaved; centroids on the two: a query along e0 probing one bucket
-    probes the bucket that holds every e0 key and no e1 key."""
+def far_part_with_two_axis_centroids(**overrides):
+    """A far part of 2 learned buckets probed one a round, window 2 and no sinks, its centroids e0 and e1 (float64)."""
     attn = build_attention("lsh_window", config(lsh_num_buckets=2, lsh_num_hashes=1, lsh_num_chunks_before=8,
-                                               window_size=2, num_sink_tokens=0), 0, True).double().eval()
-    part = attn.far
+                                               window_size=2, num_sink_tokens=0, **overrides), 0, True).double().eval()
     with torch.no_grad():
         attn.lsh_key_centroids.zero_()
         attn.lsh_key_centroids[:, 0, 0] = 1.0
         attn.lsh_key_centroids[:, 1, 1] = 1.0
+    return attn.far
+
+
+def test_a_query_probes_the_bucket_of_its_content():
+    """Keys of two contents along e0 and e1, interleaved; centroids on the two: a query along e0 probing one bucket
+    probes the bucket that holds every e0 key and no e1 key."""
+    part = far_part_with_two_axis_centroids()
     k = torch.zeros(1, 2, 12, 8, dtype=torch.float64)
     k[..., 0::2, 0], k[..., 1::2, 1] = 1.0, 1.0
     q = torch.zeros(1, 4, 12, 8, dtype=torch.float64)
@@ -89,14 +94,7 @@ def test_a_query_probes_the_bucket_whose_members_it_scores_highest_once_its_bloc
     With a window of 2 and blocks of 4, queries 0-3 count no key (every bucket its centroid: bucket 0), queries 4-7
     count keys 0-2 (bucket 1's mean (e1 + (e1 + 3 e2)) / 2 scores 0.75: still bucket 0), queries 8-11 keys 0-6
     (bucket 1's (e1 + 3 (e1 + 3 e2)) / 4 scores 1.125: bucket 1). By the centroids, every query probes bucket 0."""
-    attn = build_attention("lsh_window", config(lsh_num_buckets=2, lsh_num_hashes=1, lsh_num_chunks_before=8,
-                                               window_size=2, num_sink_tokens=0, lsh_member_mean_block=4),
-                           0, True).double().eval()
-    part = attn.far
-    with torch.no_grad():
-        attn.lsh_key_centroids.zero_()
-        attn.lsh_key_centroids[:, 0, 0] = 1.0
-        attn.lsh_key_centroids[:, 1, 1] = 1.0
+    part = far_part_with_two_axis_centroids(lsh_member_mean_block=4)
     k = torch.zeros(1, 2, 12, 8, dtype=torch.float64)
     k[..., 0::2, 0] = 1.0
     k[..., 1::2, 1], k[..., 1::2, 2] = 1.0, 3.0

@@ -70,6 +70,9 @@ Designs (each a named conversion of the source, converted once into --models_dir
   ranked by their members' mean key instead of their centroid (`lsh_member_mean_block` = --member_mean_block: the
   sums taken once per block of that many tokens). On the model's own keys at 8K, `far_bucket_rules` found the
   members' mean holds 0.99 of the key line's far attention with 16 probes, the centroids 0.87.
+- `lsh_heads_member_means_wide`: the same, each probed bucket read to its K = --wide_chunks_before x
+  --lsh_chunk_length most recent keys (1,024 by default, 4x): at 32K a pass key's bucket can hold more than 256 later
+  keys.
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -157,7 +160,8 @@ SCRIPT = "benchmarks/pretrained_long_context"
 DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_fixed_wide",
                 "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
-                "lsh_heads_centred", "lsh_heads_centroids", "lsh_heads_member_means")
+                "lsh_heads_centred", "lsh_heads_centroids", "lsh_heads_member_means",
+                "lsh_heads_member_means_wide")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -242,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--member_mean_block", type=int, default=256,
                    help="lsh_member_mean_block of lsh_heads_member_means: a query ranks the buckets by their members' "
                         "mean key as of the start of its block of this many tokens")
+    p.add_argument("--wide_chunks_before", type=int, default=16,
+                   help="lsh_num_chunks_before of lsh_heads_member_means_wide: a query reads the K = this x "
+                        "--lsh_chunk_length most recent keys of each bucket it probes")
     p.add_argument("--centred_chunks_before", type=int, default=8,
                    help="lsh_num_chunks_before of lsh_heads_centred: a query reads the K = this x --lsh_chunk_length "
                         "most recent keys of its bucket in each round")
@@ -288,8 +295,8 @@ def check_arguments(args) -> None:
                 "wide_block_topk", "block_query_size", "retrieval_top", "attributed_top", "attributed_kv_heads",
                 "attribution_prompts", "attribution_steps", "calibration_length", "calibration_prompts",
                 "lsh_num_hashes", "lsh_chunk_length", "far_position_group", "centred_hashes",
-                "centred_chunks_before", "centroid_probes", "centroid_chunks_before", "member_mean_block", "threads",
-                "ruler_samples", "ruler_long_samples", "ruler_batch")
+                "centred_chunks_before", "centroid_probes", "centroid_chunks_before", "member_mean_block",
+                "wide_chunks_before", "threads", "ruler_samples", "ruler_long_samples", "ruler_batch")
     for name in positive:
         if getattr(args, name) < 1:
             raise BadArgument(f"--{name}={getattr(args, name)}: give a positive integer.")
@@ -430,6 +437,9 @@ def design_specs(args) -> dict[str, dict]:
     specs["lsh_heads_member_means"] = {"family": "hybrid", "reads": "lsh_heads_centroids",
                                        "of_spec": specs["lsh_heads_centroids"],
                                        "config": {"lsh_member_mean_block": args.member_mean_block}}
+    specs["lsh_heads_member_means_wide"] = {
+        **specs["lsh_heads_member_means"], "config": {"lsh_member_mean_block": args.member_mean_block,
+                                                      "lsh_num_chunks_before": args.wide_chunks_before}}
     return specs
 
 

@@ -25,7 +25,7 @@ SMALL = ["--window_size", "32", "--block_size", "16", "--block_topk", "1", "--wi
          "--attributed_top", "1", "--attributed_kv_heads", "1", "--attribution_prompts", "1", "--attribution_steps",
          "2", "--centred_buckets", "4", "--centred_hashes", "3", "--centred_chunks_before", "2",
          "--centroid_buckets", "6", "--centroid_probes", "2", "--centroid_chunks_before", "2",
-         "--member_mean_block", "64"]
+         "--member_mean_block", "64", "--wide_chunks_before", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +145,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert read["settings"] == learned["settings"]  # the calibration's own, as lsh_heads_centroids records them
     means_model = AutoModelForCausalLM.from_pretrained(means_folder)
     assert means_model.config.lsh_member_mean_block == 64 and means_model.config.far_kv_heads == [[best]]
+    wide = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_member_means_wide-*")))
+    assert (wide.config.lsh_member_mean_block, wide.config.lsh_num_chunks_before) == (64, 4)  # K = 4 x 16
     for got, kept in zip(means_model.state_dict().values(), AutoModelForCausalLM.from_pretrained(
             next((tmp_path / "models").glob("lsh_heads_centroids-*"))).state_dict().values(), strict=True):
         torch.testing.assert_close(got, kept, rtol=0, atol=0)
@@ -177,7 +179,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
                                                  "block_fixed_wide", "block_heads", "block_wide_quantised",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
-                                                 "lsh_heads_centroids", "lsh_heads_member_means", "window"]
+                                                 "lsh_heads_centroids", "lsh_heads_member_means",
+                                                 "lsh_heads_member_means_wide", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}

@@ -177,6 +177,12 @@ class LSHFarPart(LSHBuckets, FarPart):
         return logits if self.shared_qk else logits * self.scale
 
     # -- hashing ----------------------------------------------------------------------------------------------------
+    def _indexed_rounds(self, key_buckets):
+        """The rounds of key buckets [B, H_k, R, n] that the sorted order and the decoding index keep: all R, or
+        with learned buckets, where a key's bucket is the same in every round, the first alone ([B, H_k, 1, n]),
+        which serves every round."""
+        return key_buckets[:, :, :1] if self.key_centroids else key_buckets
+
     def _query_rotations(self, rotations):
         """The rotations each query head hashes with: its own, or with `lsh_group_rotations` its group's."""
         if self.group == 1:
@@ -482,8 +488,9 @@ class LSHFarPart(LSHBuckets, FarPart):
         # Learned buckets give a key one bucket in every round: one sorted order (and one copy of the sorted keys)
         # serves all rounds, where random rotations need one a round. No pair is then listed in two rounds either (a
         # query's buckets differ round to round), so the duplicate correction has nothing to remove.
-        key_rounds = 1 if self.key_centroids else rounds
-        codes, key_order = (key_buckets[:, :, :key_rounds] * length + position).sort(dim=-1)  # slot -> key position
+        key_buckets = self._indexed_rounds(key_buckets)
+        key_rounds = key_buckets.shape[2]
+        codes, key_order = (key_buckets * length + position).sort(dim=-1)  # slot -> key position
 
         def slots_of(values):  # [B, H_k, R, Q] -> where in its round's sorted codes each value goes
             wanted = values.reshape(batch, key_heads, key_rounds, -1).contiguous()
@@ -631,7 +638,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         holds a position per key, head and round (2 bytes below 32K tokens, 4 above), as the bucket indices it
         replaces held a bucket; with learned buckets a key's bucket is the same in every round, so one round's index
         (and one round's buckets of the decoded tokens) serves them all."""
-        key_buckets = key_buckets[:, :, :1] if self.key_centroids else key_buckets
+        key_buckets = self._indexed_rounds(key_buckets)
         batch, heads, rounds, length = key_buckets.shape
         buckets = key_buckets.reshape(batch, heads * rounds, length)
         index_dtype = torch.int16 if length < torch.iinfo(torch.int16).max else torch.int32
@@ -651,7 +658,7 @@ class LSHFarPart(LSHBuckets, FarPart):
         [B, H, R, 1]), most recent first, -1 where there are fewer: the last K of the bucket's run in the prefill's
         index, after the matches among the `decoded` tokens stored since (all of them later than the prefill's)."""
         batch, heads, rounds, _ = query_buckets.shape
-        key_rounds = 1 if self.key_centroids else rounds  # learned buckets: one index for every round
+        key_rounds = 1 if self.key_centroids else rounds  # (`_indexed_rounds`)
         key_heads = state["lsh_sorted"].shape[1] // key_rounds
         group, prefill, recent = heads // key_heads, state["lsh_sorted"].shape[-1], self.recent_size
 
@@ -695,10 +702,9 @@ class LSHFarPart(LSHBuckets, FarPart):
         decoded = seen - stored["lsh_sorted"].shape[-1]  # tokens stored since the prefill (a host number)
         candidates = self._recent_keys(stored, query_buckets, decoded)
         at = position.new_full((batch,), decoded)
-        kept_buckets = key_buckets[:, :, :1] if self.key_centroids else key_buckets  # (learned: one a key)
         stored["lsh_new_buckets"] = write_at_rows(
             stored["lsh_new_buckets"], at,
-            kept_buckets.reshape(batch, -1, 1).to(stored["lsh_new_buckets"].dtype), decoded + 1)
+            self._indexed_rounds(key_buckets).reshape(batch, -1, 1).to(stored["lsh_new_buckets"].dtype), decoded + 1)
         stored["lsh_new_positions"] = write_at_rows(
             stored["lsh_new_positions"], at, torch.where(real, position, -1).view(batch, 1, 1).int(), decoded + 1)
         leaving_k, leaving_v, _ = x.leaving  # the key at position - W, if there is one, goes to the store

@@ -73,6 +73,11 @@ Designs (each a named conversion of the source, converted once into --models_dir
 - `lsh_heads_member_means_wide`: the same, each probed bucket read to its K = --wide_chunks_before x
   --lsh_chunk_length most recent keys (1,024 by default, 4x): at 32K a pass key's bucket can hold more than 256 later
   keys.
+- `lsh_heads_member_mass_wide`: `lsh_heads_member_means_wide` with the buckets ranked by their members' log mass
+  instead of their mean (`lsh_member_score="log_mass"`: q·m / √d + log(1 + n), a lower bound on the log of the
+  softmax mass the bucket's members would get). On the model's own keys at 32K (the prompt
+  `lsh_heads_member_means_wide` missed), 16 buckets ranked so hold most of a head's far attention where the mean's
+  leave a third of it (`benchmarks/far_bucket_rules.py`, rules `centroids_CxP_mass` and `centroids_CxP`).
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -161,7 +166,7 @@ DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fi
                 "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
                 "lsh_heads_centred", "lsh_heads_centroids", "lsh_heads_member_means",
-                "lsh_heads_member_means_wide")
+                "lsh_heads_member_means_wide", "lsh_heads_member_mass_wide")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -247,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lsh_member_mean_block of lsh_heads_member_means: a query ranks the buckets by their members' "
                         "mean key as of the start of its block of this many tokens")
     p.add_argument("--wide_chunks_before", type=int, default=16,
-                   help="lsh_num_chunks_before of lsh_heads_member_means_wide: a query reads the K = this x "
-                        "--lsh_chunk_length most recent keys of each bucket it probes")
+                   help="lsh_num_chunks_before of lsh_heads_member_means_wide and lsh_heads_member_mass_wide: a "
+                        "query reads the K = this x --lsh_chunk_length most recent keys of each bucket it probes")
     p.add_argument("--centred_chunks_before", type=int, default=8,
                    help="lsh_num_chunks_before of lsh_heads_centred: a query reads the K = this x --lsh_chunk_length "
                         "most recent keys of its bucket in each round")
@@ -440,6 +445,9 @@ def design_specs(args) -> dict[str, dict]:
     specs["lsh_heads_member_means_wide"] = {
         **specs["lsh_heads_member_means"], "config": {"lsh_member_mean_block": args.member_mean_block,
                                                       "lsh_num_chunks_before": args.wide_chunks_before}}
+    specs["lsh_heads_member_mass_wide"] = {
+        **specs["lsh_heads_member_means_wide"], "config": {**specs["lsh_heads_member_means_wide"]["config"],
+                                                           "lsh_member_score": "log_mass"}}
     return specs
 
 

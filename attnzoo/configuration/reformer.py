@@ -8,6 +8,8 @@ from attnzoo.configuration.window import ZooWindowSettings
 from attnzoo.validation import check_choice, check_int, check_positive_ints, check_probability, fail
 
 LSH_ATTEND_TO = ("chunk", "bucket")
+#: what a learned bucket scores with `lsh_member_mean_block` (the `lsh_member_score` docstring says how)
+LSH_MEMBER_SCORES = ("mean", "log_mass")
 
 
 class ZooReformerSettings(ZooConfig):
@@ -74,6 +76,10 @@ class ZooReformerSettings(ZooConfig):
             position i ranks by the far keys at positions up to ⌊i / P⌋·P - window_size, which decoding keeps as a
             sum and a count per bucket (docs/lsh_attention.md, "Probing by the members' mean"). None: by the
             centroids.
+        lsh_member_score: with `lsh_member_mean_block`, what a bucket scores: "mean", q·m over its members' mean key
+            m = (μ + Σ k) / (1 + n); or "log_mass", q·m / √d + log(1 + n), a lower bound (by Jensen's inequality) on
+            the log of the softmax mass its 1 + n members would get, so a bucket ranks by what exact attention would
+            give it rather than by its average member (docs/lsh_attention.md, "Ranking by the members' mass").
         lsh_group_rotations: with separate queries and keys, the query heads that share a key-value head hash with
             one set of rotations (their group's), so each key is hashed once per round for its group rather than
             once per query head: a grouped-query model (SmolLM2's 3 query heads a key head) hashes a third as many
@@ -102,6 +108,7 @@ class ZooReformerSettings(ZooConfig):
     lsh_centre_keys: bool = False
     lsh_key_centroids: bool = False
     lsh_member_mean_block: int | None = None
+    lsh_member_score: str = "mean"
     lsh_group_rotations: bool = False
     lsh_attention_probs_dropout_prob: float | None = None
 
@@ -164,6 +171,10 @@ class ZooReformerSettings(ZooConfig):
         if self.lsh_member_mean_block is not None and not self.lsh_key_centroids:
             fail("lsh_member_mean_block", self.lsh_member_mean_block, "the members' mean ranks learned buckets; set "
                                                                       "lsh_key_centroids=True, or None here.")
+        check_choice(self, "lsh_member_score", LSH_MEMBER_SCORES)
+        if self.lsh_member_score != "mean" and self.lsh_member_mean_block is None:
+            fail("lsh_member_score", self.lsh_member_score, "it scores buckets by their members' sums; set "
+                                                            "lsh_member_mean_block too, or leave it 'mean'.")
         check_choice(self, "lsh_group_rotations", (True, False))
         if self.lsh_group_rotations and self.lsh_shared_qk:
             fail("lsh_group_rotations", self.lsh_group_rotations, "shared-QK keys are the queries themselves, one per "

@@ -15,7 +15,9 @@ VARIANTS = {
     "lsh": [{"lsh_attend_to": "chunk"}, {"lsh_shared_qk": False},
             {"lsh_shared_qk": False, "lsh_group_rotations": True},
             {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True},
-            {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True, "lsh_member_mean_block": 3}],
+            {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True, "lsh_member_mean_block": 3},
+            {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True, "lsh_member_mean_block": 2,
+             "lsh_member_score": "log_mass"}],
     "block": [{"block_query_size": 1}, {"block_key_bits": 8, "block_value_bits": 4},
               {"block_key_bits": 4, "block_value_bits": 8, "block_query_size": 1}],
 }

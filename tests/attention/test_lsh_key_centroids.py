@@ -110,6 +110,42 @@ def test_a_query_probes_the_bucket_whose_members_it_scores_highest_once_its_bloc
     assert (part._centroid_buckets(q, k, None)[0] == 0).all()
 
 
+def test_ranking_by_the_members_log_mass_prefers_a_full_bucket_to_a_slightly_better_single_key():
+    """Centroids e0 and e1 (head_dim 8, scores scaled by 1/√8); key 0 is 2 e0 (bucket 0), every later key e1 (bucket
+    1); the query √8 (e0 + 0.8 e1). With a window of 2 and blocks of 4, by the mean bucket 0 always wins ((e0 + 2 e0) /
+    2 scores 1.5 against 0.8, after the centroids' 1 against 0.8). By the log mass, queries 0-3 count no key (1 + log
+    1 against 0.8), queries 4-7 count keys 0-2 (1.5 + log 2 = 2.19 against 0.8 + log 3 = 1.90: bucket 0), queries 8-
+    23 count keys 0-6 or more (0.8 + log 7 = 2.75 at least: bucket 1), as an exact softmax would weigh them."""
+    k = torch.zeros(1, 2, 24, 8, dtype=torch.float64)
+    k[..., 0, 0], k[..., 1:, 1] = 2.0, 1.0
+    q = torch.zeros(1, 4, 24, 8, dtype=torch.float64)
+    q[..., 0], q[..., 1] = 8 ** 0.5, 0.8 * 8 ** 0.5
+    valid, positions = torch.ones(1, 24, dtype=torch.bool), torch.arange(24)[None]
+    expected = {"mean": [0] * 24, "log_mass": [0] * 8 + [1] * 16}
+    for score, probes in expected.items():
+        part = far_part_with_two_axis_centroids(lsh_member_mean_block=4, lsh_member_score=score)
+        query_buckets, key_buckets = part._centroid_buckets(q, k, None)
+        assert key_buckets[0, 0, 0].tolist() == [0] + [1] * 23
+        assert (query_buckets[0, :, 0] == torch.tensor(probes)).all(), score
+        torch.testing.assert_close(part._reference_member_probes(q, k, valid, positions), query_buckets, rtol=0,
+                                   atol=0)
+
+
+def test_the_log_mass_is_a_lower_bound_on_the_members_log_sum_exp():
+    """q·m / √d + log(1 + n) <= log Σ exp(q·x / √d) over the centroid and the n keys (Jensen), with equality when
+    they all score alike."""
+    part = far_part_with_two_axis_centroids(lsh_member_mean_block=4, lsh_member_score="log_mass")
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 5, 40):
+        members = torch.randn(n + 1, 8, generator=g, dtype=torch.float64)  # the centroid first
+        q = torch.randn(8, generator=g, dtype=torch.float64)
+        bound = part._member_scores(q @ members.mean(0), torch.tensor(float(n), dtype=torch.float64))
+        assert bound <= torch.logsumexp(members @ q / 8 ** 0.5, 0) + 1e-12
+    same = torch.ones(6, 8, dtype=torch.float64)
+    torch.testing.assert_close(part._member_scores(q @ same.mean(0), torch.tensor(5.0, dtype=torch.float64)),
+                               torch.logsumexp(same @ q / 8 ** 0.5, 0))
+
+
 @pytest.mark.parametrize("window, sinks, probes", [(4, 2, 2), (1, 0, 1), (15, 4, 6)])
 def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, sinks, probes):
     torch.manual_seed(0)
@@ -120,11 +156,12 @@ def test_the_fast_path_equals_the_dense_reference_with_learned_buckets(window, s
     check_against_the_dense_reference(attn)
 
 
-@pytest.mark.parametrize("window, sinks, probes, block, pieces", [
-    (4, 2, 2, 3, False), (1, 0, 1, 1, False), (15, 4, 3, 5, False), (4, 2, 2, 64, False), (4, 2, 2, 3, True),
-    (1, 0, 3, 1, True)])
+@pytest.mark.parametrize("window, sinks, probes, block, pieces, score", [
+    (4, 2, 2, 3, False, "mean"), (1, 0, 1, 1, False, "mean"), (15, 4, 3, 5, False, "mean"),
+    (4, 2, 2, 64, False, "mean"), (4, 2, 2, 3, True, "mean"), (1, 0, 3, 1, True, "mean"),
+    (4, 2, 2, 3, False, "log_mass"), (15, 4, 3, 5, False, "log_mass"), (1, 0, 3, 1, True, "log_mass")])
 def test_the_fast_path_equals_the_dense_reference_probing_by_the_members_mean(window, sinks, probes, block, pieces,
-                                                                            monkeypatch):
+                                                                            score, monkeypatch):
     """Blocks shorter than the window and longer than the sequence (every bucket then its centroid); with `pieces`
     the sums and scores bounded to one block and one query row at a time (a running sum across the pieces)."""
     if pieces:
@@ -133,16 +170,17 @@ def test_the_fast_path_equals_the_dense_reference_probing_by_the_members_mean(wi
     torch.manual_seed(0)
     attn = with_random_calibration(build_attention(
         "lsh_window", config(window_size=window, num_sink_tokens=sinks, lsh_num_hashes=probes,
-                             lsh_member_mean_block=block), 0, True
+                             lsh_member_mean_block=block, lsh_member_score=score), 0, True
     ).double().eval())
     check_against_the_dense_reference(attn)
 
 
-@pytest.mark.parametrize("far_kv_heads, block", [(None, None), ([[1]], None), (None, 4), ([[1]], 3)])
-def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads, block):
+@pytest.mark.parametrize("far_kv_heads, block, score", [(None, None, "mean"), ([[1]], None, "mean"),
+                                                       (None, 4, "mean"), ([[1]], 3, "mean"), (None, 3, "log_mass")])
+def test_decoding_with_learned_buckets_equals_the_full_forward(far_kv_heads, block, score):
     torch.manual_seed(0)
     model = with_random_calibration(AutoModelForCausalLM.from_config(config(
-        far_kv_heads=far_kv_heads, lsh_member_mean_block=block)).double().eval())
+        far_kv_heads=far_kv_heads, lsh_member_mean_block=block, lsh_member_score=score)).double().eval())
     centroids = [b for n, b in model.named_buffers() if n.endswith("lsh_key_centroids")]
     assert len(centroids) == 2 and all(c.shape == (2 if far_kv_heads is None else 1, 6, 8) for c in centroids)
     torch.manual_seed(1)
@@ -229,6 +267,10 @@ def test_bad_settings_and_models_without_centroids_are_refused():
         config(lsh_member_mean_block=0)
     with pytest.raises(ValueError, match="lsh_member_mean_block=8 .*lsh_key_centroids=True"):
         config(lsh_key_centroids=False, lsh_member_mean_block=8)
+    with pytest.raises(ValueError, match="lsh_member_score='mass' .*use one of \\('mean', 'log_mass'\\)"):
+        config(lsh_member_mean_block=8, lsh_member_score="mass")
+    with pytest.raises(ValueError, match="lsh_member_score='log_mass' .*set lsh_member_mean_block too"):
+        config(lsh_member_score="log_mass")
     with pytest.raises(ValueError, match="lsh_key_centroids=True"):
         fit_lsh_key_centroids(AutoModelForCausalLM.from_config(config(lsh_key_centroids=False)).eval(),
                               torch.randint(1, 37, (1, 10)))
@@ -264,14 +306,15 @@ def test_a_failed_fit_keeps_the_centroids_it_had():
     assert all(part.key_capture is None for part in centroid_lsh_parts(model).values())
 
 
-@pytest.mark.parametrize("block, window, sinks, prefill, far_kv_heads, eval_probes", [
-    (1, 4, 2, 3, None, None),  # a block a token: the sums change at every step
-    (40, 4, 0, 8, [[1]], 3),  # blocks longer than the text: every bucket its centroid; more probes in evaluation
-    (3, 1, 2, 1, None, 3),  # a prefill shorter than the window and sinks
-    (4, 4, 2, 12, [[1]], None),  # a prefill of whole blocks
+@pytest.mark.parametrize("block, window, sinks, prefill, far_kv_heads, eval_probes, score", [
+    (1, 4, 2, 3, None, None, "mean"),  # a block a token: the sums change at every step
+    (40, 4, 0, 8, [[1]], 3, "mean"),  # blocks past the text: every bucket its centroid; more probes in evaluation
+    (3, 1, 2, 1, None, 3, "mean"),  # a prefill shorter than the window and sinks
+    (4, 4, 2, 12, [[1]], None, "mean"),  # a prefill of whole blocks
+    (2, 4, 2, 5, None, None, "log_mass"),  # the counts change every other step
 ])
 def test_each_decoding_step_probes_the_buckets_the_full_forward_probes(block, window, sinks, prefill, far_kv_heads,
-                                                                      eval_probes, monkeypatch):
+                                                                      eval_probes, score, monkeypatch):
     """The probes themselves, step by step, for rows of three lengths (one all padding through the prefill): each
     real token's buckets in decoding are the full forward's at its position, and so are the logits."""
     from attnzoo.transformers_compat import output_cache
@@ -294,7 +337,8 @@ def test_each_decoding_step_probes_the_buckets_the_full_forward_probes(block, wi
     torch.manual_seed(0)
     model = with_random_calibration(AutoModelForCausalLM.from_config(config(
         window_size=window, num_sink_tokens=sinks, lsh_num_buckets=8, lsh_num_hashes=2,
-        lsh_num_hashes_eval=eval_probes, lsh_member_mean_block=block, far_kv_heads=far_kv_heads,
+        lsh_num_hashes_eval=eval_probes, lsh_member_mean_block=block, lsh_member_score=score,
+        far_kv_heads=far_kv_heads,
         max_position_embeddings=64)).double().eval())
     length = 30
     ids = torch.randint(1, 37, (3, length))

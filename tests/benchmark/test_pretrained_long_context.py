@@ -147,6 +147,10 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert means_model.config.lsh_member_mean_block == 64 and means_model.config.far_kv_heads == [[best]]
     wide = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_member_means_wide-*")))
     assert (wide.config.lsh_member_mean_block, wide.config.lsh_num_chunks_before) == (64, 4)  # K = 4 x 16
+    assert wide.config.lsh_member_score == "mean"
+    mass = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_member_mass_wide-*")))
+    assert (mass.config.lsh_member_mean_block, mass.config.lsh_num_chunks_before,
+            mass.config.lsh_member_score) == (64, 4, "log_mass")
     for got, kept in zip(means_model.state_dict().values(), AutoModelForCausalLM.from_pretrained(
             next((tmp_path / "models").glob("lsh_heads_centroids-*"))).state_dict().values(), strict=True):
         torch.testing.assert_close(got, kept, rtol=0, atol=0)
@@ -179,7 +183,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
                                                  "block_fixed_wide", "block_heads", "block_wide_quantised",
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
-                                                 "lsh_heads_centroids", "lsh_heads_member_means",
+                                                 "lsh_heads_centroids", "lsh_heads_member_mass_wide",
+                                                 "lsh_heads_member_means",
                                                  "lsh_heads_member_means_wide", "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted

@@ -136,6 +136,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         #: with learned buckets: rank them by their far members' mean key, taken once per block of this many tokens
         #: (None: by the centroids)
         self.member_mean_block = config.lsh_member_mean_block
+        #: with the members' mean: "mean" ranks a bucket by q·m, "log_mass" by q·m / √d + log(1 + n)
+        self.member_score = config.lsh_member_score
         #: with `lsh_group_rotations`, a key-value group's query heads hash with the rotations of its first query
         #: head, so keys are hashed once per key-value head (learned buckets: a key's bucket is its head's, whatever
         #: the query head)
@@ -248,6 +250,16 @@ class LSHFarPart(LSHBuckets, FarPart):
         first_block = torch.div(position + self.window_size - 1, self.member_mean_block, rounding_mode="floor") + 1
         return counted, first_block
 
+    def _member_scores(self, scores, counts):
+        """What each bucket scores from q·m, its query's product with the members' mean ([..., C]), and n, the far
+        keys it holds (counts, broadcastable): q·m itself ("mean"), or with `lsh_member_score="log_mass"` q·m / √d +
+        log(1 + n), by Jensen's inequality a lower bound on log Σ exp(q·k / √d) over the bucket's 1 + n members (the
+        centroid one of them): the bucket's share of an exact softmax, where the mean alone ranks a bucket of one
+        key above a bucket of a thousand that scores a little lower."""
+        if self.member_score == "mean":
+            return scores
+        return scores * self.scale + torch.log1p(counts)
+
     def _member_mean_probes(self, q, keys, nearest, valid, centroids):
         """[B, H, R, L] each left-aligned query's R buckets whose members' mean key scores highest: per block of P =
         `lsh_member_mean_block` queries, the sums and counts per bucket of the far keys as of the block's start
@@ -287,8 +299,9 @@ class LSHFarPart(LSHBuckets, FarPart):
             piece_counts = counts + added_counts.view(batch, kv_heads, -1, count)[:, :, :end - start].cumsum(2)
             sums, counts = piece_sums[:, :, -1:], piece_counts[:, :, -1:]
             means = (centroids[None, :, None] + piece_sums) / (1 + piece_counts)[..., None]  # [B, kv, n, C, d]
-            best.append(torch.cat([(part @ means.transpose(-1, -2)).topk(rounds, dim=-1).indices
-                                   for part in queries[:, :, start:end].split(row_piece, dim=3)], dim=3))
+            mass = piece_counts[:, :, :, None, :]  # [B, kv, n, 1, C]: each block's counts, for all its queries
+            best.append(torch.cat([self._member_scores(part @ means.transpose(-1, -2), mass).topk(rounds, dim=-1)
+                                   .indices for part in queries[:, :, start:end].split(row_piece, dim=3)], dim=3))
         best = torch.cat(best, dim=2).view(batch, kv_heads, blocks, group, size, rounds).permute(0, 1, 3, 5, 2, 4)
         return best.reshape(batch, heads, rounds, blocks * size)[..., :length]
 
@@ -342,7 +355,8 @@ class LSHFarPart(LSHBuckets, FarPart):
                      lsh_pending_counts=torch.where(fold, 0, pending_counts))
         means = (centroids + sums) / (1 + counts)[..., None]  # [B, kv, C, d]
         kv_heads = means.shape[1]
-        scores = q.to(means.dtype).view(batch, kv_heads, heads // kv_heads, dim) @ means.transpose(-1, -2)
+        scores = self._member_scores(q.to(means.dtype).view(batch, kv_heads, heads // kv_heads, dim) @
+                                     means.transpose(-1, -2), counts[:, :, None, :])
         query_buckets = scores.topk(rounds, dim=-1).indices.view(batch, heads, rounds, 1)
         return query_buckets, nearest[:, :, None, :].expand(-1, -1, rounds, -1), state
 
@@ -361,7 +375,8 @@ class LSHFarPart(LSHBuckets, FarPart):
         sums = torch.einsum("bqj,bhjc,bhjd->bhqcd", counted, members, keys)
         counts = torch.einsum("bqj,bhjc->bhqc", counted, members)
         means = ((centroids[None, :, None] + sums) / (1 + counts)[..., None]).repeat_interleave(self.group, dim=1)
-        scores = torch.einsum("bhqd,bhqcd->bhqc", q.to(keys.dtype), means)
+        scores = self._member_scores(torch.einsum("bhqd,bhqcd->bhqc", q.to(keys.dtype), means),
+                                     counts.repeat_interleave(self.group, dim=1))
         best = scores.topk(self.num_hashes, dim=-1).indices.transpose(2, 3)
         return best.masked_fill(~valid[:, None, None, :], centroids.shape[1])
 

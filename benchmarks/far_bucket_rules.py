@@ -20,15 +20,19 @@ past the sinks), each rule chooses a set of far keys:
 - `centroids_CxP`: content buckets: each far key in the bucket of its nearest centroid (after the centre), the query
   probing the P buckets whose members' mean key (over the prompt's far keys: what a decoder can keep, a sum and a
   count per bucket) scores highest, reading each one's K most recent members;
-- `centroids_CxP_fixed`: the same buckets probed by the calibration's centroids themselves.
+- `centroids_CxP_fixed`: the same buckets probed by the calibration's centroids themselves;
+- `centroids_CxP_mass`: the same buckets ranked by their members' log mass, q·m / √d + log n (m their mean key, n
+  their number): by Jensen's inequality a lower bound on log Σ exp(q·k / √d) over the members, the bucket's share of
+  the exact softmax (`lsh_member_score="log_mass"`), where the mean alone ranks one key above a thousand that score
+  a little lower.
 
 A row counts the far query heads and holds, per head whose far attention gives the key line at least 5% and per
 rule, the share of the key line's far attention the set holds, the share of all far attention, and the keys read (the
 set's size; the blocks' mean keys and the buckets' scores are not counted). The summary counts heads that read the
-key line (it carries at least half of their far mass): their mean key-line share, how many hold at least half of it,
-and the median keys read.
+key line (it carries at least half of their far mass): their mean key-line share and share of all far attention, how
+many hold at least half of the key line's, and the median keys read.
 
-    python benchmarks/far_bucket_rules.py     # 8K and 16K: benchmarks/results/far_bucket_rules.json, .png
+    python benchmarks/far_bucket_rules.py     # 8K and 32K: benchmarks/results/far_bucket_rules.json, .png
 
 Each prompt's row is kept in the report as it is measured; a rerun with the same setup measures only the prompts the
 report lacks (`--remeasure`: all). On 2 cores a prompt costs the design's prefill (about 1 minute at 8K for
@@ -61,7 +65,9 @@ ROOT = Path(__file__).resolve().parent.parent
 COMMITTED = ROOT / "benchmarks" / "results" / "far_bucket_rules.json"
 LABEL = "benchmarks/far_bucket_rules.py"
 RULES = ["blocks_8", "rotations_64x8", "rotations_64x32", "centroids_256x8", "centroids_256x16",
-         "centroids_256x16_fixed"]
+         "centroids_256x16_fixed", "centroids_256x16_mass"]
+#: how a centroids rule ranks the buckets: its suffix, none for the members' mean
+RANKINGS = ("fixed", "mass")
 #: a head reads the key line when the line carries at least half of its far mass
 READING = 0.5
 #: rows keep the heads whose far attention gives the key line at least this share (the others hold nothing the
@@ -79,11 +85,12 @@ def default_model() -> str | None:
     return str(found[-1]) if found else None
 
 
-def parse_rule(rule: str) -> tuple[str, tuple[int, ...], bool]:
-    """'blocks_T' | 'rotations_BxR' | 'centroids_CxP[_fixed]' -> (kind, numbers, fixed); BadArgument naming --rules."""
+def parse_rule(rule: str) -> tuple[str, tuple[int, ...], str | None]:
+    """'blocks_T' | 'rotations_BxR' | 'centroids_CxP[_fixed|_mass]' -> (kind, numbers, the ranking suffix or None);
+    BadArgument naming --rules."""
     parts = rule.split("_")
-    fixed = parts[-1] == "fixed" and parts[0] == "centroids"
-    parts = parts[:-1] if fixed else parts
+    ranking = parts[-1] if parts[-1] in RANKINGS and parts[0] == "centroids" else None
+    parts = parts[:-1] if ranking else parts
     try:
         if len(parts) != 2 or parts[0] not in ("blocks", "rotations", "centroids"):
             raise ValueError
@@ -91,13 +98,13 @@ def parse_rule(rule: str) -> tuple[str, tuple[int, ...], bool]:
         if len(numbers) != (1 if parts[0] == "blocks" else 2) or min(numbers) < 1:
             raise ValueError
     except ValueError:
-        raise BadArgument(f"--rules {rule!r}: give blocks_T, rotations_BxR or centroids_CxP[_fixed] with positive "
-                          "numbers, e.g. rotations_64x8.") from None
+        raise BadArgument(f"--rules {rule!r}: give blocks_T, rotations_BxR or centroids_CxP[_fixed|_mass] with "
+                          "positive numbers, e.g. rotations_64x8.") from None
     if parts[0] == "rotations" and (numbers[0] < 2 or numbers[0] % 2):
         raise BadArgument(f"--rules {rule!r}: rotations hash into an even number of buckets >= 2.")
     if parts[0] == "centroids" and numbers[1] > numbers[0]:
         raise BadArgument(f"--rules {rule!r}: a query cannot probe more buckets than the {numbers[0]} there are.")
-    return parts[0], numbers, fixed
+    return parts[0], numbers, ranking
 
 
 def recorded_far_inputs(model, record: dict):
@@ -174,7 +181,7 @@ def chosen_keys(rule: str, query, keys, centre, centroids: dict, generator, bloc
     """[n] bool: the far keys `rule` gives the query [d], from the far keys [n, d] (position order)."""
     import torch
 
-    kind, numbers, fixed = parse_rule(rule)
+    kind, numbers, ranking = parse_rule(rule)
     n = keys.shape[0]
     if kind == "blocks":
         blocks = n // block_size
@@ -198,12 +205,15 @@ def chosen_keys(rule: str, query, keys, centre, centroids: dict, generator, bloc
     count, probes = numbers
     fitted = centroids[count]
     nearest = torch.cdist(centred, fitted).argmin(1)
-    if fixed:
+    if ranking == "fixed":
         score = fitted @ query
-    else:  # members' mean key; an empty bucket is never probed
+    else:  # members' mean key (with "mass", plus log n); an empty bucket is never probed
         members = torch.bincount(nearest, minlength=count)
         means = torch.zeros_like(fitted).index_add_(0, nearest, keys) / members.clamp(min=1)[:, None]
-        score = (means @ query).masked_fill(members == 0, float("-inf"))
+        score = means @ query
+        if ranking == "mass":
+            score = score / math.sqrt(keys.shape[-1]) + members.clamp(min=1).log()
+        score = score.masked_fill(members == 0, float("-inf"))
     return most_recent_members(nearest, score.topk(probes).indices, recent)
 
 
@@ -252,8 +262,8 @@ def measure(job: dict) -> dict:
 
 
 def summary(rows: list[dict], rules: list[str]) -> dict:
-    """Per length, over its prompts' heads that read the key line: per rule the mean key-line share held, the heads
-    holding at least half of it, the median keys read."""
+    """Per length, over its prompts' heads that read the key line: per rule the mean key-line share held and the mean
+    share of all far attention, the heads holding at least half of the key line's, the median keys read."""
     out = {}
     for length in sorted({r["length"] for r in rows}):
         reading = [h for r in rows if r["length"] == length for h in r["heads"] if h["key_line_share"] >= READING]
@@ -265,6 +275,7 @@ def summary(rows: list[dict], rules: list[str]) -> dict:
             if held:
                 entry["rules"][rule] = {
                     "key_line_held_mean": statistics.mean(h["key_line_held"] for h in held),
+                    "far_held_mean": statistics.mean(h["far_held"] for h in held),
                     "heads_holding_half": sum(h["key_line_held"] >= 0.5 for h in held),
                     "keys_read_median": statistics.median(h["keys_read"] for h in held)}
         out[str(length)] = entry
@@ -306,8 +317,9 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_probe_arguments(parser, COMMITTED, "a converted design with block_window far parts in every head (default: "
-                                           "pretrained_long_context's block_wide_quantised model)", [8192, 16384])
-    parser.add_argument("--rules", nargs="+", default=RULES, help="blocks_T, rotations_BxR, centroids_CxP[_fixed]")
+                                           "pretrained_long_context's block_wide_quantised model)", [8192, 32768])
+    parser.add_argument("--rules", nargs="+", default=RULES,
+                        help="blocks_T, rotations_BxR, centroids_CxP[_fixed|_mass]")
     parser.add_argument("--recent", type=int, default=512,
                         help="K: the most recent keys of a bucket a query reads (lsh_heads_centred's 512)")
     parser.add_argument("--calibration_length", type=int, default=4096,

@@ -78,6 +78,9 @@ Designs (each a named conversion of the source, converted once into --models_dir
   softmax mass the bucket's members would get). On the model's own keys at 32K (the prompt
   `lsh_heads_member_means_wide` missed), 16 buckets ranked so hold most of a head's far attention where the mean's
   leave a third of it (`benchmarks/far_bucket_rules.py`, rules `centroids_CxP_mass` and `centroids_CxP`).
+- `lsh_heads_member_means_wide_log`: `lsh_heads_member_means_wide` with its far queries scaled by the log of their
+  position (`far_query_scale="log"`, Llama 4's 1 + 0.1 ln(floor((p + 1) / 8192) + 1): 1.16 at 32K), so the far
+  scores sharpen as the far keys grow in number instead of spreading the same attention over more filler.
 
 A cell is (design, length, filler, depth, trial): one prompt of `attnzoo.evaluation.passkey` (`passkey_prompt`,
 trial t's key drawn from random.Random(f"{seed}:{t}") as `passkey_accuracy` draws it, so cells of one trial differ
@@ -166,7 +169,7 @@ DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fi
                 "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
                 "lsh_heads_centred", "lsh_heads_centroids", "lsh_heads_member_means",
-                "lsh_heads_member_means_wide", "lsh_heads_member_mass_wide")
+                "lsh_heads_member_means_wide", "lsh_heads_member_mass_wide", "lsh_heads_member_means_wide_log")
 KEY = ("design", "length", "filler", "depth", "trial")
 LENGTHS = [2048, 4096, 8192, 16384, 32768, 65536]
 FILLER_DEFAULTS = ["repeat", "corpus"]  # Landmark Attention's repeated sentences; prose of the default corpus
@@ -448,6 +451,9 @@ def design_specs(args) -> dict[str, dict]:
     specs["lsh_heads_member_mass_wide"] = {
         **specs["lsh_heads_member_means_wide"], "config": {**specs["lsh_heads_member_means_wide"]["config"],
                                                            "lsh_member_score": "log_mass"}}
+    specs["lsh_heads_member_means_wide_log"] = {
+        **specs["lsh_heads_member_means_wide"], "config": {**specs["lsh_heads_member_means_wide"]["config"],
+                                                           "far_query_scale": "log"}}
     return specs
 
 

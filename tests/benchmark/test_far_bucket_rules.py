@@ -50,6 +50,16 @@ def test_each_rule_chooses_the_keys_it_says():
     centroids[3][2] = torch.tensor([0.5, 0.0, 0.0, 0.0]) + torch.tensor([0.0, 0.0, 0.0, -9.0])
     assert chosen("centroids_3x2_fixed").tolist() == along_e0.tolist()
     assert chosen("centroids_3x2").all()  # member means skip the empty bucket
+    # the log mass: one key scoring 2 against three scoring 1.9 (scores / √4 = 1 and 0.95): by the mean the one key's
+    # bucket, by the mass the three's (0.95 + log 3 > 1 + log 1)
+    few = torch.zeros(6, 4)
+    few[0, 0], few[1:4, 1], few[4:, 2] = 1.0, 0.95, 1.0
+    two = {3: torch.eye(4)[:3]}
+    toward = torch.tensor([2.0, 2.0, -5.0, 0.0])
+    assert bench.chosen_keys("centroids_3x1", toward, few, centre, two, generator, 4, 100).tolist() == [
+        True] + [False] * 5
+    assert bench.chosen_keys("centroids_3x1_mass", toward, few, centre, two, generator, 4, 100).tolist() == [
+        False, True, True, True, False, False]
     # blocks of 4 consecutive keys: their means tie, so the top block is one whole block of 4
     block = chosen("blocks_1")
     assert block.sum() == 4 and block.view(3, 4).all(1).sum() == 1
@@ -60,7 +70,8 @@ def test_each_rule_chooses_the_keys_it_says():
 
 def test_prompts_are_measured_once_and_every_share_is_of_the_exact_far_softmax(tmp_path, model_dir, monkeypatch):
     monkeypatch.setattr(bench, "KEPT_SHARE", 0.0)  # every head kept, whatever the tiny model looks at
-    rules = ["blocks_2", "rotations_4x2", "centroids_8x2", "centroids_8x2_fixed", "centroids_8x8"]
+    rules = ["blocks_2", "rotations_4x2", "centroids_8x2", "centroids_8x2_fixed", "centroids_8x8_mass",
+             "centroids_8x8"]
     args = ["--model", str(model_dir), "--results", str(tmp_path / "fbr.json"), "--lengths", "300",
             "--depths", "0.25", "0.5", "--rules", *rules, "--recent", "1000", "--calibration_length", "64",
             "--threads", "1"]
@@ -97,7 +108,8 @@ def test_the_summary_counts_the_heads_that_read_the_key_line():
             {"length": 16, "far_query_heads": 5, "heads": [head(0.1, 1.0, 5)]}]
     summary = bench.summary(rows, ["r"])
     assert summary["8"] == {"prompts": 2, "far_query_heads": 10, "reading_heads": 3, "rules": {"r": {
-        "key_line_held_mean": pytest.approx(2.0 / 3), "heads_holding_half": 2, "keys_read_median": 20}}}
+        "key_line_held_mean": pytest.approx(2.0 / 3), "far_held_mean": pytest.approx(2.0 / 3), "heads_holding_half": 2,
+        "keys_read_median": 20}}}
     assert summary["16"] == {"prompts": 1, "far_query_heads": 5, "reading_heads": 0, "rules": {}}
 
 
@@ -135,7 +147,7 @@ def test_a_report_from_before_the_filler_option_is_continued_and_another_filler_
 
 @pytest.mark.parametrize("flag, value", [("--filler", "lorem"), ("--rules", "rotations_5x8"),
                                          ("--rules", "centroids_8x16"), ("--rules", "blocks"),
-                                         ("--rules", "sorted_4"), ("--recent", "0"),
+                                         ("--rules", "sorted_4"), ("--rules", "centroids_8x2_mean"), ("--recent", "0"),
                                          ("--calibration_length", "4"), ("--depths", "2")])
 def test_bad_arguments_name_the_argument(tmp_path, model_dir, flag, value):
     with pytest.raises(ValueError, match=flag):

@@ -151,6 +151,9 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     mass = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_member_mass_wide-*")))
     assert (mass.config.lsh_member_mean_block, mass.config.lsh_num_chunks_before,
             mass.config.lsh_member_score) == (64, 4, "log_mass")
+    scaled = AutoModelForCausalLM.from_pretrained(next((tmp_path / "models").glob("lsh_heads_member_means_wide_log-*")))
+    assert (scaled.config.lsh_num_chunks_before, scaled.config.far_query_scale) == (4, "log")
+    assert wide.config.far_query_scale is None
     for got, kept in zip(means_model.state_dict().values(), AutoModelForCausalLM.from_pretrained(
             next((tmp_path / "models").glob("lsh_heads_centroids-*"))).state_dict().values(), strict=True):
         torch.testing.assert_close(got, kept, rtol=0, atol=0)
@@ -185,7 +188,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
                                                  "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
                                                  "lsh_heads_centroids", "lsh_heads_member_mass_wide",
                                                  "lsh_heads_member_means",
-                                                 "lsh_heads_member_means_wide", "window"]
+                                                 "lsh_heads_member_means_wide", "lsh_heads_member_means_wide_log",
+                                                 "window"]
 
     # the same setup again: the cells are stored and the models kept, so nothing is measured or converted
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "models").glob("*/config.json")}

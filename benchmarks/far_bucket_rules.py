@@ -32,7 +32,8 @@ set's size; the blocks' mean keys and the buckets' scores are not counted). The 
 key line (it carries at least half of their far mass): their mean key-line share and share of all far attention, how
 many hold at least half of the key line's, and the median keys read.
 
-    python benchmarks/far_bucket_rules.py     # 8K and 32K: benchmarks/results/far_bucket_rules.json, .png
+    python benchmarks/far_bucket_rules.py     # 8K and 16K: benchmarks/results/far_bucket_rules.json, .png
+    python benchmarks/far_bucket_rules.py --lengths 32768    # the log mass at 32K: a report beside (its rules)
 
 Each prompt's row is kept in the report as it is measured; a rerun with the same setup measures only the prompts the
 report lacks (`--remeasure`: all). On 2 cores a prompt costs the design's prefill (about 1 minute at 8K for
@@ -317,7 +318,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv=None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_probe_arguments(parser, COMMITTED, "a converted design with block_window far parts in every head (default: "
-                                           "pretrained_long_context's block_wide_quantised model)", [8192, 32768])
+                                           "pretrained_long_context's block_wide_quantised model)", [8192, 16384])
     parser.add_argument("--rules", nargs="+", default=RULES,
                         help="blocks_T, rotations_BxR, centroids_CxP[_fixed|_mass]")
     parser.add_argument("--recent", type=int, default=512,

@@ -75,9 +75,8 @@ Designs (each a named conversion of the source, converted once into --models_dir
   keys.
 - `lsh_heads_member_mass_wide`: `lsh_heads_member_means_wide` with the buckets ranked by their members' log mass
   instead of their mean (`lsh_member_score="log_mass"`: q·m / √d + log(1 + n), a lower bound on the log of the
-  softmax mass the bucket's members would get). On the model's own keys at 32K (the prompt
-  `lsh_heads_member_means_wide` missed), 16 buckets ranked so hold most of a head's far attention where the mean's
-  leave a third of it (`benchmarks/far_bucket_rules.py`, rules `centroids_CxP_mass` and `centroids_CxP`).
+  softmax mass the bucket's members would get): the buckets exact attention would weigh most, large ones of filler
+  among them (`benchmarks/far_bucket_rules.py` compares the rules as `centroids_CxP_mass` and `centroids_CxP`).
 - `lsh_heads_member_means_wide_log`: `lsh_heads_member_means_wide` with its far queries scaled by the log of their
   position (`far_query_scale="log"`, Llama 4's 1 + 0.1 ln(floor((p + 1) / 8192) + 1): 1.16 at 32K), so the far
   scores sharpen as the far keys grow in number instead of spreading the same attention over more filler.

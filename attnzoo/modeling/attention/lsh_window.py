@@ -41,7 +41,8 @@ a buffer of the layer (scores unchanged; "Centred keys" there), and with `lsh_ke
 a key's is its nearest centroid (a buffer of the layer, k-means on a calibration text's centred keys), the same every
 round, and a query's in round r is the centroid it scores r-th highest ("Learned buckets" there), or with
 `lsh_member_mean_block` the bucket whose far members' mean key it scores r-th highest, the sums frozen once per block
-of that many tokens ("Probing by the members' mean" there).
+of that many tokens ("Probing by the members' mean" there), or with `lsh_member_score="log_mass"` the bucket whose
+members' log mass, that score over √d plus the log of their number, is r-th highest ("Ranking by the members' mass").
 """
 
 from __future__ import annotations

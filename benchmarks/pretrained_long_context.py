@@ -15,6 +15,10 @@ Designs (each a named conversion of the source, converted once into --models_dir
   `adjacent` by default (StreamingLLM's positions within the cache): with `absolute`, past the training length every
   query sees the sinks at distances the model never trained on, and since the sinks take much of every head's
   attention, the whole forward leaves its training distribution (on SmolLM2 at 16K: broken text from every design);
+- `dense_fixed`: the exact window plus every far key, exactly, at distance window_size (`attn_layers=[dense_window]`,
+  `far_positions=[fixed]`: LM-Infinite's capped distance with nothing selected). It shows no distance the model did
+  not train on, and what selection buys: its far keys outnumber the window more as the prompt grows. It costs what
+  the source costs (every score) and keeps every far key, as the source's KV cache does;
 - `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
   --block_topk, --block_query_size) with every far key at distance window_size (`far_positions=[fixed]`). The
   defaults, 16 blocks of 32 keys, read as many far keys as InfLLM's 4 of 128, and a query block of 4 queries
@@ -164,7 +168,7 @@ README = ROOT / "README.md"
 MARKERS = ("<!-- pretrained-long-context:start -->", "<!-- pretrained-long-context:end -->")
 LABEL = "benchmarks/pretrained_long_context.py"
 SCRIPT = "benchmarks/pretrained_long_context"
-DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "block_fixed", "block_fixed_wide",
+DESIGN_NAMES = ("source", "source_linear", "source_dynamic", "window", "dense_fixed", "block_fixed", "block_fixed_wide",
                 "block_wide_quantised",
                 "block_bounded", "block_attributed", "block_heads", "lsh_fixed", "lsh_grouped", "lsh_heads",
                 "lsh_heads_centred", "lsh_heads_centroids", "lsh_heads_member_means",
@@ -399,6 +403,8 @@ def design_specs(args) -> dict[str, dict]:
         "source_linear": {"rope": {"rope_type": "linear", "factor": "length / max_position_embeddings"}},
         "source_dynamic": {"rope": {"rope_type": "dynamic", "factor": args.dynamic_factor}},
         "window": {"family": "window", "model": window},
+        "dense_fixed": {"family": "hybrid", "model": {**window, "attn_layers": ["dense_window"],
+                                                      "far_positions": ["fixed"]}},
         "block_fixed": {"family": "hybrid", "model": every_head_blocks},
         "block_fixed_wide": {"family": "hybrid", "model": {**every_head_blocks, "block_topk": args.wide_block_topk}},
         "block_wide_quantised": {"family": "hybrid", "model": {**every_head_blocks, "block_topk": args.wide_block_topk,

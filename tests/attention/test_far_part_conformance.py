@@ -18,6 +18,7 @@ VARIANTS = {
             {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True, "lsh_member_mean_block": 3},
             {"lsh_shared_qk": False, "lsh_centre_keys": True, "lsh_key_centroids": True, "lsh_member_mean_block": 2,
              "lsh_member_score": "log_mass"}],
+    "dense": [{"far_positions": ["fixed"]}, {"far_positions": ["grouped"], "far_position_group": 2}],
     "block": [{"block_query_size": 1}, {"block_key_bits": 8, "block_value_bits": 4},
               {"block_key_bits": 4, "block_value_bits": 8, "block_query_size": 1}],
 }

@@ -115,6 +115,10 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     assert config["attn_layers"] == ["lsh_window"] and config["far_kv_heads"] == [[best]]
     assert config["lsh_shared_qk"] is False and config["far_positions"] == ["fixed"]
     assert rows["window"]["state_bytes"] < rows["lsh_heads"]["state_bytes"] < rows["lsh_fixed"]["state_bytes"]
+    # dense_fixed: every far key, exactly, at distance W: it keeps them all, as the source's KV cache does
+    config = json.loads(next((tmp_path / "models").glob("dense_fixed-*/config.json")).read_text())
+    assert config["attn_layers"] == ["dense_window"] and config["far_positions"] == ["fixed"]
+    assert rows["dense_fixed"]["state_bytes"] >= rows["source"]["state_bytes"]
     # lsh_heads_centred: the same heads, its own LSH settings, and key centres set from the corpus's last tokens
     centred = json.loads(next((tmp_path / "models").glob("lsh_heads_centred-*/calibration.json")).read_text())
     assert centred["top_kv_heads"] == {"0": [best]} and centred["key_centres"]["tokens"] == 256
@@ -185,7 +189,8 @@ def test_a_tiny_grid_fills_each_cell_once_and_reports_from_its_results(tmp_path,
     models = sorted(p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith("run_args"))
     assert [m.split("-")[0] for m in models] == ["block_attributed", "block_bounded", "block_fixed",
                                                  "block_fixed_wide", "block_heads", "block_wide_quantised",
-                                                 "lsh_fixed", "lsh_grouped", "lsh_heads", "lsh_heads_centred",
+                                                 "dense_fixed", "lsh_fixed", "lsh_grouped", "lsh_heads",
+                                                 "lsh_heads_centred",
                                                  "lsh_heads_centroids", "lsh_heads_member_mass_wide",
                                                  "lsh_heads_member_means",
                                                  "lsh_heads_member_means_wide", "lsh_heads_member_means_wide_log",

@@ -13,9 +13,8 @@ dense prototype of this layer answered " there, there, there" where block retrie
 
 It costs what exact attention costs, O(L²) scores a layer, and its decoding state holds every key that has left the
 window, as a KV cache does. The parallel form scores groups of queries against the far keys the group's last query
-reads (`SCORES_PER_GROUP` scores at a time, on the CPU a bound that keeps them in the caches), so that inference
-holds one group's scores at a time; with gradients the graph keeps every group's probabilities, as exact attention
-without a fused kernel does.
+reads (`SCORES_PER_GROUP` scores at a time), so that inference holds one group's scores at a time; with gradients
+the graph keeps every group's probabilities, as exact attention without a fused kernel does.
 """
 
 from __future__ import annotations
@@ -27,10 +26,11 @@ import torch
 from attnzoo.modeling.attention.windowed import FarInputs, FarOutput, FarPart, normalised_far, register_far_part
 from attnzoo.modeling.cache import with_spare_tokens, write_at_rows
 
-#: scores (batch x heads x queries x far keys) one group of queries holds in the parallel form, on the CPU: a group
-#: that fits the caches; off the CPU, `SCORES_PER_GROUP_OFF_CPU` (a GPU gains nothing from small groups and would
-#: pay each group's launches)
-SCORES_PER_GROUP = 1 << 21
+#: scores (batch x heads x queries x far keys) one group of queries holds in the parallel form, on the CPU (on
+#: SmolLM2's shapes at 8K tokens, one thread, groups of 2^22 scores ran the far part faster than groups of 2^20 and
+#: as fast as 2^23; the whole sequence at once would hold L² scores a head); off the CPU,
+#: `SCORES_PER_GROUP_OFF_CPU` (a GPU gains nothing from small groups and would pay each group's launches)
+SCORES_PER_GROUP = 1 << 22
 SCORES_PER_GROUP_OFF_CPU = 1 << 27
 
 
@@ -40,19 +40,17 @@ class DenseFarPart(FarPart):
 
     plain_kind = "full"
 
-    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
-        """q [B, H, Q, d] -> [B, kv, g, Q, d]: the query heads of each key-value head together, so that one matmul
-        scores them against the key-value head's keys without repeating the keys."""
-        batch, heads, queries, dim = q.shape
-        return q.view(batch, self.num_kv_heads, heads // self.num_kv_heads, queries, dim)
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor):
         """The far triple of queries q [B, H, Q, d] over keys k, v [B, kv, K, d|e] where `allowed` [B or 1, 1, Q, K]
-        (broadcast over the heads): [B, H, Q, e], [B, H, Q] twice."""
-        batch, heads, queries, _ = q.shape
-        logits = (self._grouped(q) @ k.unsqueeze(2).transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, kv, g, Q, K]
-        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        num, den, lse = normalised_far(logits, v.unsqueeze(2))
+        (the same for every head): [B, H, Q, e], [B, H, Q] twice. The query heads of a key-value head are scored
+        as one matrix of g Q rows (one matmul against the head's keys, not a broadcast one, which would copy the
+        keys for each query head)."""
+        batch, heads, queries, dim = q.shape
+        group = heads // self.num_kv_heads
+        rows = q.reshape(batch, self.num_kv_heads, group * queries, dim)  # heads kv-major: h = kv * g + j
+        logits = (rows @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)  # [B, kv, g Q, K]
+        allowed = allowed.expand(-1, -1, queries, -1).repeat(1, 1, group, 1)  # [B or 1, 1, g Q, K]
+        num, den, lse = normalised_far(logits.masked_fill(~allowed, float("-inf")), v)
         return num.reshape(batch, heads, queries, -1), den.reshape(batch, heads, queries), lse.reshape(
             batch, heads, queries)
 

@@ -7,9 +7,10 @@ the other far views: with `far_positions="fixed"` every far key sits at distance
 2308.16137, §3, caps every distance at the training length; InfLLM, arXiv 2402.04617, §3.2, reads its far blocks at
 one distance), with "grouped" at Self-Extend's grouped distances (arXiv 2401.01325, §3). A pretrained rotary model
 then meets no distance it did not train on, and nothing is selected: the far part is the selecting far parts'
-reference ("block_window", "lsh_window"). It shows what selection buys: as the prompt grows, the far keys outnumber
-the window and the sinks, and with no selection their softmax mass grows with their number (on SmolLM2 at 16K, a
-dense prototype of this layer answered " there, there, there" where block retrieval found the pass key).
+reference ("block_window", "lsh_window"), which shows what selection buys: as the prompt grows, the far keys
+outnumber the window and the sinks, and with nothing selected their share of the softmax grows with their number,
+while their cost and state grow as exact attention's (`benchmarks/pretrained_long_context.py` measures it on
+SmolLM2 as `dense_fixed`).
 
 It costs what exact attention costs, O(L²) scores a layer, and its decoding state holds every key that has left the
 window, as a KV cache does. The parallel form scores groups of queries against the far keys the group's last query

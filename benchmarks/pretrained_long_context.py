@@ -17,8 +17,9 @@ Designs (each a named conversion of the source, converted once into --models_dir
   attention, the whole forward leaves its training distribution (on SmolLM2 at 16K: broken text from every design);
 - `dense_fixed`: the exact window plus every far key, exactly, at distance window_size (`attn_layers=[dense_window]`,
   `far_positions=[fixed]`: LM-Infinite's capped distance with nothing selected). It shows no distance the model did
-  not train on, and what selection buys: its far keys outnumber the window more as the prompt grows. It costs what
-  the source costs (every score) and keeps every far key, as the source's KV cache does;
+  not train on, and what selection buys: its far keys outnumber the window more as the prompt grows. It scores every
+  key, as the source does (unfused, so its prefill is slower than the source's fused attention), and keeps every far
+  key, as the source's KV cache does;
 - `block_fixed`: the exact window plus InfLLM's block retrieval (`attn_layers=[block_window]`, --block_size,
   --block_topk, --block_query_size) with every far key at distance window_size (`far_positions=[fixed]`). The
   defaults, 16 blocks of 32 keys, read as many far keys as InfLLM's 4 of 128, and a query block of 4 queries
